@@ -1,0 +1,130 @@
+"""Frozen, typed engine configuration with vLLM's flag names.
+
+`EngineArgs` is what users give (CLI flags, `LLM(...)` keywords); it is
+resolved once into an `EngineConfig` of frozen parts. Values the engine learns
+at run time (the number of KV blocks) come back from the worker handshake and
+are not stored here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: str  # HF directory or .gguf file (resolved: never empty)
+    tokenizer: str | None = None
+    dtype: str = "auto"  # as requested; the loader resolves "auto"
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's own limit
+    seed: int = 0
+    use_kernels: bool = True  # CPU C++ kernels when they build
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+    block_size: int = 16
+    kv_cache_memory_gib: float | None = None  # budget for all KV blocks
+    num_kv_blocks: int | None = None  # explicit block count (wins over the budget)
+    enable_prefix_caching: bool = True
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    async_scheduling: bool = True
+    max_queued_requests: int | None = None
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    method: str  # "mtp" | "ngram"
+    num_speculative_tokens: int = 1
+    draft_weights: str | None = None  # MTP: separate safetensors file
+    prompt_lookup_min: int = 2  # n-gram: shortest suffix to match
+    prompt_lookup_max: int = 4  # n-gram: longest suffix to match
+
+    @staticmethod
+    def parse(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the JSON of `--speculative-config` or an `LLM(...)` dict."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {value!r}")
+        known = {f for f in SpeculativeConfig.__struct_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative config keys {unknown}; known keys: {sorted(known)}"
+            )
+        if "method" not in value:
+            raise ValueError('speculative config needs "method": "mtp" or "ngram"')
+        try:
+            cfg = msgspec.convert(value, SpeculativeConfig)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"invalid speculative config: {e}") from None
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.method not in ("mtp", "ngram"):
+            raise ValueError(f'speculative method must be "mtp" or "ngram", got {self.method!r}')
+        if not 1 <= self.num_speculative_tokens <= 8:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 8], got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.method == "ngram" and self.draft_weights is not None:
+            raise ValueError('"draft_weights" only applies to method "mtp"')
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    # "process": the model lives in a spawned worker process; "thread": in this
+    # process (same lanes, no IPC). The offline LLM defaults to "thread".
+    mode: str = "thread"
+    restart_on_failure: bool = True
+    profile_dir: str | None = None
+    num_threads: int | None = None  # torch intra-op threads in the worker
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig | None = None
+    worker: WorkerConfig = WorkerConfig()
+
+    def validate(self) -> None:
+        m, c, s = self.model, self.cache, self.scheduler
+        if m.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {m.dtype!r}")
+        if m.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {m.device!r}")
+        if m.max_model_len is not None and m.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {m.max_model_len}")
+        if c.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two <= 128, got {c.block_size}")
+        if c.kv_cache_memory_gib is not None and c.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {c.kv_cache_memory_gib}")
+        if c.num_kv_blocks is not None and c.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {c.num_kv_blocks}")
+        if s.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
+        if s.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
+        if self.worker.mode not in ("thread", "process"):
+            raise ValueError(f'worker mode must be "thread" or "process", got {self.worker.mode!r}')
+        if self.speculative is not None:
+            self.speculative.validate()

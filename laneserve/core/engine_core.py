@@ -1,0 +1,135 @@
+"""The engine core loop: add/abort -> schedule -> send -> (<= depth in flight) ->
+update_from_output. With depth 2 (async scheduling) step N+1 is planned and
+sent before step N's result is back, so the worker never waits for the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Protocol
+
+from laneserve.config import EngineConfig
+from laneserve.core.kv_cache_manager import KVCacheManager
+from laneserve.core.request import Request, RequestStatus
+from laneserve.core.scheduler import EngineCoreOutput, Scheduler
+from laneserve.protocol import StepCommand, StepResult, WorkerReady
+from laneserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class WorkerDiedError(RuntimeError):
+    """The worker stopped answering (its process died)."""
+
+
+class WorkerClient(Protocol):
+    """Transport to a worker: steps go in and come back in FIFO order."""
+
+    ready: WorkerReady
+
+    def submit(self, cmd: StepCommand) -> None: ...
+
+    def get_result(self) -> StepResult: ...
+
+    def shutdown(self) -> None: ...
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, client: WorkerClient) -> None:
+        self.config = config
+        self.client = client
+        ready = client.ready
+        self.ready = ready
+        self.max_model_len = ready.max_model_len
+        self.kv = KVCacheManager(
+            [g.kind for g in ready.cache_groups],
+            [g.num_blocks for g in ready.cache_groups],
+            ready.block_size,
+            config.cache.enable_prefix_caching,
+        )
+        spec = config.speculative
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, ready.max_model_len, spec.num_speculative_tokens if spec else 0
+        )
+        self.depth = 2 if config.scheduler.async_scheduling else 1
+        self._handles = itertools.count(1)
+
+    # -- requests ----------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...],
+    ) -> Request:
+        self.check_prompt(prompt_token_ids)
+        limit = self.config.scheduler.max_queued_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests)")
+        req = Request(
+            request_id=request_id,
+            handle=next(self._handles),
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        self.scheduler.add_request(req)
+        return req
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
+                "(prompt + at least one output token must fit)"
+            )
+        vocab = self.ready.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def abort(self, req: Request) -> None:
+        self.scheduler.abort(req.handle)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or self.scheduler.num_in_flight > 0
+
+    # -- the loop ----------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Fill the pipeline up to `depth` steps, then take the oldest result."""
+        while self.scheduler.num_in_flight < self.depth:
+            cmd = self.scheduler.schedule()
+            if cmd is None:
+                break
+            self.client.submit(cmd)
+        if self.scheduler.num_in_flight == 0:
+            return []
+        try:
+            result = self.client.get_result()
+        except WorkerDiedError as e:
+            return self._fail_everything(str(e))
+        return self.scheduler.update_from_output(result)
+
+    def _fail_everything(self, message: str) -> list[EngineCoreOutput]:
+        """The worker is gone: every unfinished request fails now (no hang)."""
+        self.scheduler.drop_in_flight()
+        outs = []
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.fail(req.handle, f"worker failed: {message}")
+            outs.append(EngineCoreOutput(req, [], finished=True))
+        return outs
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+
+class QueueFullError(RuntimeError):
+    """More waiting requests than --max-queued-requests."""
+
+
+__all__ = ["EngineCore", "QueueFullError", "RequestStatus", "WorkerClient", "WorkerDiedError"]

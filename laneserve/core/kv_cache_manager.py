@@ -1,0 +1,182 @@
+"""KV cache manager: prefix lookup, slot allocation and freeing, per cache group.
+
+A model declares one or more *cache groups* (`CacheGroupSpec`): layers that
+share a block layout and a block table. Each group has its own block pool and
+a manager for its kind. Today the only kind is full attention (every position
+keeps its KV); a sliding-window or compressed-stream group adds a manager
+class with the same four methods (`find_hit`, `num_blocks_needed`, `allocate`,
+`free`) and nothing else changes. The scheduler only sees this class:
+`allocate_slots` returns None when a group has no room, which means "preempt".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from laneserve.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block
+from laneserve.core.request import Request
+
+BlockIds = tuple[list[int], ...]  # one list per cache group
+
+
+@dataclass(frozen=True)
+class CacheGroupSpec:
+    name: str
+    kind: str  # "full_attention"
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        # K and V for every layer of the group
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+class FullAttentionGroup:
+    """Every token position keeps its block until the request is freed."""
+
+    def __init__(self, block_size: int, pool: BlockPool) -> None:
+        self.block_size = block_size
+        self.pool = pool
+        self.blocks: dict[int, list[KVBlock]] = {}  # handle -> block list
+        self.num_cached: dict[int, int] = {}  # handle -> leading blocks published
+
+    def find_hit(self, hashes: list[BlockHash]) -> list[KVBlock]:
+        hit = []
+        for h in hashes:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def num_blocks_needed(self, handle: int, num_tokens: int, num_new_computed: int) -> int:
+        have = len(self.blocks.get(handle, ())) + num_new_computed
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def allocate(self, handle: int, hit: list[KVBlock], n_new: int) -> list[int]:
+        blocks = self.blocks.setdefault(handle, [])
+        if hit:
+            self.pool.touch(hit)
+            blocks.extend(hit)
+            self.num_cached[handle] = len(blocks)
+        new = self.pool.get_new_blocks(n_new)
+        blocks.extend(new)
+        return [b.block_id for b in hit] + [b.block_id for b in new]
+
+    def cache(self, handle: int, hashes: list[BlockHash], num_full_blocks: int) -> None:
+        blocks = self.blocks.get(handle, [])
+        start = self.num_cached.get(handle, 0)
+        for i in range(start, min(num_full_blocks, len(blocks), len(hashes))):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached[handle] = max(start, min(num_full_blocks, len(blocks)))
+
+    def free(self, handle: int) -> None:
+        blocks = self.blocks.pop(handle, [])
+        self.num_cached.pop(handle, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, handle: int) -> list[int]:
+        return [b.block_id for b in self.blocks.get(handle, ())]
+
+
+_GROUP_KINDS = {"full_attention": FullAttentionGroup}
+
+
+class KVCacheManager:
+    """Block accounting for every cache group (the groups share one block size)."""
+
+    def __init__(
+        self, kinds: list[str], num_blocks: list[int], block_size: int, enable_caching: bool
+    ) -> None:
+        unknown = sorted(set(kinds) - set(_GROUP_KINDS))
+        if unknown:
+            raise ValueError(f"unknown cache group kinds {unknown}; known: {sorted(_GROUP_KINDS)}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.groups = [
+            _GROUP_KINDS[kind](block_size, BlockPool(n, enable_caching))
+            for kind, n in zip(kinds, num_blocks, strict=True)
+        ]
+        self._hashes: dict[int, list[BlockHash]] = {}
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    # -- queries ---------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        return max(g.pool.usage for g in self.groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return min(g.pool.num_free_blocks for g in self.groups)
+
+    def block_ids(self, req: Request) -> BlockIds:
+        return tuple(g.block_ids(req.handle) for g in self.groups)
+
+    # -- prefix cache ----------------------------------------------------
+    def block_hashes(self, req: Request, num_tokens: int) -> list[BlockHash]:
+        """Hashes of the full blocks among the first `num_tokens` tokens."""
+        hashes = self._hashes.setdefault(req.handle, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, req.all_token_ids[i * bs : (i + 1) * bs]))
+        return hashes[: num_tokens // bs]
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[list[KVBlock]], int]:
+        """Longest cached prefix, leaving at least one token to compute."""
+        if not self.enable_caching:
+            return [[] for _ in self.groups], 0
+        hashes = self.block_hashes(req, req.num_tokens - 1)
+        hits = [g.find_hit(hashes) for g in self.groups]
+        n = min(len(h) for h in hits)
+        return [h[:n] for h in hits], n * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit: int) -> None:
+        if self.enable_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit
+
+    def cache_blocks(self, req: Request, num_valid_tokens: int) -> None:
+        """Publish full blocks whose KV is confirmed (never speculative slots)."""
+        if not self.enable_caching:
+            return
+        n = min(num_valid_tokens, req.num_tokens) // self.block_size
+        hashes = self.block_hashes(req, n * self.block_size)
+        for g in self.groups:
+            g.cache(req.handle, hashes, n)
+
+    # -- allocation ------------------------------------------------------
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        new_computed: list[list[KVBlock]] | None = None,
+    ) -> BlockIds | None:
+        """Room for `num_new_tokens` more positions, or None (the caller preempts).
+
+        Returns the block ids appended to each group's table.
+        """
+        new_computed = new_computed or [[] for _ in self.groups]
+        num_hit_tokens = len(new_computed[0]) * self.block_size
+        total = req.num_computed_tokens + num_hit_tokens + num_new_tokens
+        plans = []
+        for g, hit in zip(self.groups, new_computed, strict=True):
+            need = g.num_blocks_needed(req.handle, total, len(hit))
+            revived = sum(1 for b in hit if b.ref_cnt == 0)  # they leave the free queue
+            if need + revived > g.pool.num_free_blocks:
+                return None
+            plans.append((g, hit, need))
+        return tuple(g.allocate(req.handle, hit, need) for g, hit, need in plans)
+
+    def free(self, req: Request) -> None:
+        for g in self.groups:
+            g.free(req.handle)
+
+    def forget(self, req: Request) -> None:
+        """Drop a finished request's cached hashes."""
+        self._hashes.pop(req.handle, None)

@@ -1,0 +1,104 @@
+"""`laneserve generate | serve | bench | profile | train-mtp`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from laneserve.engine_args import EngineArgs
+
+log = logging.getLogger("laneserve")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="laneserve",
+        description="LLM inference and serving on PyTorch (vLLM-compatible interface).",
+    )
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_generate(sub)
+    from laneserve.entrypoints import commands
+
+    commands.register(sub)
+    return parser
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt (offline)")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--ignore-eos", action="store_true")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    from laneserve import LLM, SamplingParams
+
+    args = EngineArgs.from_cli(ns)
+    params = SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        ignore_eos=ns.ignore_eos,
+        seed=ns.seed if ns.temperature > 0 else None,
+    )
+    llm = LLM(**vars(args))
+    try:
+        start = time.perf_counter()
+        if ns.chat:
+            out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)[0]
+        else:
+            out = llm.generate(ns.prompt, params, use_tqdm=False)[0]
+        elapsed = time.perf_counter() - start
+        completion = out.outputs[0]
+        print(completion.text)
+        n = len(completion.token_ids)
+        stats = llm.get_stats()
+        line = (
+            f"[{n} tokens in {elapsed:.2f} s = {n / elapsed:.1f} tokens/s, "
+            f"prompt {len(out.prompt_token_ids)} tokens, finish_reason={completion.finish_reason}"
+        )
+        if "spec_num_drafts" in stats:
+            line += (
+                f", drafts {stats['spec_num_drafts']} accepted {stats['spec_num_accepted']} "
+                f"({100 * stats['spec_acceptance_rate']:.0f}%)"
+            )
+        print(line + "]", file=sys.stderr)
+        return 0 if completion.finish_reason != "error" else 1
+    finally:
+        llm.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    _setup_logging(ns.log_level)
+    try:
+        return int(ns.func(ns) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

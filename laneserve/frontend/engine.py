@@ -1,0 +1,149 @@
+"""`LLMEngine`: worker client + engine core + tokenizer + output processing.
+
+Shared by the offline `LLM` (drives `step()` in a loop) and the server's
+`AsyncLLM` (drives it from a background thread).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from laneserve.config import EngineConfig
+from laneserve.core.engine_core import EngineCore, WorkerClient
+from laneserve.core.request import Request
+from laneserve.frontend.output_processor import Delta, OutputProcessor, RequestState
+from laneserve.frontend.tokenizer import Tokenizer
+from laneserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def make_client(config: EngineConfig) -> WorkerClient:
+    from laneserve.worker.clients import InlineClient
+
+    return InlineClient(config)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, client: WorkerClient | None = None) -> None:
+        self.config = config
+        self.client = client or make_client(config)
+        self.core = EngineCore(config, self.client)
+        ready = self.client.ready
+        self.model_dir = Path(ready.model_dir)
+        self.tokenizer = Tokenizer(config.model.tokenizer or ready.model_dir)
+        self.processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = _eos_ids(self.model_dir, ready.eos_token_ids, self.tokenizer)
+        self.groups: dict[str, list[RequestState]] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def tokenize(self, prompt: str | list[int] | dict) -> tuple[list[int], str | None]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt), None
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> list[RequestState]:
+        """Add one request (n samples); raises ValueError before adding anything."""
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.core.check_prompt(prompt_ids)
+        states = []
+        for i in range(params.n):
+            child = params if params.n == 1 else _child_params(params, i)
+            rid = request_id if params.n == 1 else f"{request_id}-{i}"
+            req = self.core.add_request(rid, prompt_ids, child, self.eos_token_ids)
+            states.append(self.processor.add(req, request_id, i, prompt))
+        self.groups[request_id] = states
+        return states
+
+    def abort(self, request_id: str) -> None:
+        for state in self.groups.pop(request_id, []):
+            self.core.abort(state.request)
+            self.processor.abort(state.request.handle)
+
+    def step(self) -> list[Delta]:
+        deltas, to_abort = self.processor.process(self.core.step())
+        for req in to_abort:
+            self.core.abort(req)
+        for d in deltas:
+            if d.finished:
+                self._maybe_close_group(d.state)
+        return deltas
+
+    def _maybe_close_group(self, state: RequestState) -> None:
+        group = self.groups.get(state.group_id)
+        if group is not None and all(s.finish_reason is not None for s in group):
+            del self.groups[state.group_id]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+    def stats(self) -> dict:
+        s = self.core.scheduler.stats
+        kv = self.core.kv
+        out = {
+            "num_steps": s.num_steps,
+            "num_preemptions": s.num_preemptions,
+            "num_prefill_chunks": s.num_prefill_chunks,
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_generation_tokens": s.num_generation_tokens,
+            "num_scheduled_tokens": s.num_scheduled_tokens,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "kv_cache_usage": kv.usage,
+            "num_free_blocks": kv.num_free_blocks,
+        }
+        if self.config.speculative is not None:
+            out.update(
+                {
+                    "spec_num_drafts": s.num_drafts,
+                    "spec_num_accepted": s.num_accepted,
+                    "spec_acceptance_rate": s.num_accepted / s.num_drafts if s.num_drafts else 0.0,
+                    "spec_acceptance_per_position": [
+                        a / d if d else 0.0
+                        for a, d in zip(s.accepted_per_position, s.drafts_per_position, strict=True)
+                    ],
+                }
+            )
+        return out
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    seed = None if params.seed is None else params.seed + index
+    import msgspec
+
+    return msgspec.structs.replace(params, n=1, seed=seed)
+
+
+def _eos_ids(model_dir: Path, config_eos: list[int], tokenizer: Tokenizer) -> tuple[int, ...]:
+    ids = list(config_eos)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            value = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError:
+            value = None
+        ids += value if isinstance(value, list) else ([value] if isinstance(value, int) else [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+__all__ = ["LLMEngine", "Request"]

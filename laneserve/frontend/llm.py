@@ -1,0 +1,128 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from laneserve.engine_args import EngineArgs
+from laneserve.frontend.engine import LLMEngine
+from laneserve.frontend.output_processor import RequestState, completion_output, request_metrics
+from laneserve.outputs import RequestOutput
+from laneserve.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """vLLM-style offline engine. Keyword arguments are `EngineArgs` fields
+    (`dtype`, `max_model_len`, `max_num_seqs`, `enable_prefix_caching`,
+    `async_scheduling`, `speculative_config`, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs: object) -> None:
+        args = EngineArgs.from_kwargs({"model": model, **kwargs})
+        self.engine = LLMEngine(args.create_config())
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):  # noqa: ANN201 - the HF tokenizer object
+        return self.engine.tokenizer.hf
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        items = _as_list(prompts)
+        params = _params_list(sampling_params, len(items))
+        tokenized = [self.engine.tokenize(p) for p in items]
+        for ids, _ in tokenized:  # NOTE: validate everything before adding anything
+            self.engine.core.check_prompt(ids)
+        return self._run(tokenized, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.engine.tokenizer.apply_chat_template(c, add_generation_prompt)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _run(
+        self, tokenized: list[tuple[list[int], str | None]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        order: list[str] = []
+        groups: dict[str, list[RequestState]] = {}
+        for (ids, text), p in zip(tokenized, params, strict=True):
+            rid = str(next(self._ids))
+            groups[rid] = self.engine.add_request(rid, ids, p, text)
+            order.append(rid)
+        texts: dict[int, str] = {}
+        bar = tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm or len(order) < 2)
+        done = 0
+        while self.engine.has_unfinished:
+            for d in self.engine.step():
+                key = d.state.request.handle
+                texts[key] = texts.get(key, "") + d.text
+                if d.finished and all(s.finish_reason for s in groups[d.state.group_id]):
+                    done += 1
+                    bar.update(1)
+        bar.close()
+        return [_request_output(rid, groups[rid], texts) for rid in order]
+
+
+def _request_output(rid: str, states: list[RequestState], texts: dict[int, str]) -> RequestOutput:
+    first = states[0]
+    errors = [s.error for s in states if s.error]
+    return RequestOutput(
+        request_id=rid,
+        prompt=first.prompt,
+        prompt_token_ids=list(first.request.prompt_token_ids),
+        outputs=[completion_output(s, texts.get(s.request.handle, "")) for s in states],
+        finished=True,
+        metrics=request_metrics(first),
+        error=errors[0] if errors else None,
+    )
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return list(prompts)
+
+
+def _params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

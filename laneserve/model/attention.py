@@ -1,0 +1,132 @@
+"""Paged attention over a step's flattened tokens.
+
+Glossary:
+- *decode-like* sequence: few query tokens (a decode, or a speculative verify
+  of 1 + k tokens) whose K/V are read straight from the paged cache by the
+  attention kernel. They come first in the step's token order.
+- *prefill* sequence: a prompt chunk. With no earlier context it runs torch
+  SDPA on its own fresh K/V (flash kernel); with context (a later chunk, or a
+  prefix-cache hit) it gathers its blocks once and runs SDPA with a
+  bottom-right causal mask.
+
+The K/V of every token in the step are written to the cache first, so a
+decode-like query at position p sees keys 0..p through its block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from laneserve.kernels import CpuKernels, TorchKernels
+
+Kernels = CpuKernels | TorchKernels
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    token_start: int  # first row of this sequence in the step's tokens
+    num_tokens: int  # query tokens (the chunk)
+    context_len: int  # tokens already in the cache before the chunk
+    block_ids: torch.Tensor  # [num_blocks] int64, covers context_len + num_tokens
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    num_decode_tokens: int  # rows [0, num_decode_tokens) are decode-like
+    decode_block_tables: torch.Tensor | None  # [num_decode_seqs, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None  # [num_decode_seqs] int32 (keys incl. this step)
+    decode_query_start_loc: torch.Tensor | None  # [num_decode_seqs + 1] int32
+    prefills: tuple[PrefillSpan, ...]
+
+
+def paged_attention(
+    kernels: Kernels,
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hk, D]
+    v: torch.Tensor,  # [T, Hk, D]
+    kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, Hk, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    k_cache, v_cache = kv_cache
+    kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    nd = meta.num_decode_tokens
+    if not meta.prefills:
+        return kernels.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            meta.decode_query_start_loc,
+            scale,
+        )
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = kernels.paged_attention(
+            q[:nd],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            meta.decode_query_start_loc,
+            scale,
+        )
+    for span in meta.prefills:
+        rows = slice(span.token_start, span.token_start + span.num_tokens)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)
+    return out
+
+
+def _prefill_attention(
+    q: torch.Tensor,  # [n, Hq, D]
+    k: torch.Tensor,  # [n, Hk, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    span: PrefillSpan,
+    scale: float,
+) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    if span.context_len == 0:
+        return _sdpa(q, k, v, group, scale, mask=None)
+    total = span.context_len + span.num_tokens
+    keys = _gather(k_cache, span.block_ids, total, q.dtype)
+    values = _gather(v_cache, span.block_ids, total, q.dtype)
+    # NOTE: bottom-right causal: query i sits at position context_len + i.
+    q_pos = torch.arange(span.context_len, total, device=q.device)
+    mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+    return _sdpa(q, keys, values, group, scale, mask=mask)
+
+
+def _gather(
+    cache: torch.Tensor, block_ids: torch.Tensor, total: int, dtype: torch.dtype
+) -> torch.Tensor:  # [total, Hk, D]
+    blocks = cache.index_select(0, block_ids)  # [nb, block_size, Hk, D]
+    return blocks.flatten(0, 1)[:total].to(dtype)
+
+
+def _sdpa(
+    q: torch.Tensor,  # [n, Hq, D]
+    k: torch.Tensor,  # [L, Hk, D]
+    v: torch.Tensor,
+    group: int,
+    scale: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:  # [n, Hq, D]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+    )
+    return out.squeeze(0).transpose(0, 1)

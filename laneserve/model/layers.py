@@ -1,0 +1,76 @@
+"""Building blocks shared by the model families: linear, RMSNorm, rotary, MLP.
+
+Activations are float32 on CPU whatever the weight dtype (the CPU kernels
+stream bf16/fp16 weights and accumulate in fp32); on CUDA they are the weight
+dtype. Every op goes through a `Kernels` object so the same model code runs on
+the C++ CPU kernels or on plain torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from laneserve.kernels import CpuKernels, PackedWeight, TorchKernels
+
+Kernels = CpuKernels | TorchKernels
+
+
+class Linear:
+    """y = x @ W^T (+ b) with W packed once for the kernels."""
+
+    def __init__(self, kernels: Kernels, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.kernels = kernels
+        self.weight: PackedWeight = kernels.pack_linear_weight(weight)
+        self.bias = bias
+        self.out_features = int(weight.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x, self.weight, self.bias)
+
+
+class RMSNorm:
+    def __init__(self, kernels: Kernels, weight: torch.Tensor, eps: float) -> None:
+        self.kernels = kernels
+        self.weight = weight
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        """residual += x; x = norm(residual), both in place."""
+        self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Rotary:
+    """NeoX-style rotary embedding with a [max_pos, head_dim] cos|sin cache."""
+
+    def __init__(
+        self,
+        kernels: Kernels,
+        inv_freq: torch.Tensor,  # [head_dim / 2] fp32
+        max_positions: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.kernels = kernels
+        self.head_dim = head_dim
+        # NOTE: same arithmetic as HF (fp32 position * inv_freq), so fp32 runs
+        # match transformers bit for bit in the rotary part.
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        self.kernels.rotary_embedding(positions, q, k, self.head_dim, self.cos_sin)
+
+
+class GatedMLP:
+    def __init__(self, kernels: Kernels, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        self.kernels = kernels
+        self.gate_up = Linear(kernels, gate_up, None)
+        self.down = Linear(kernels, down, None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.kernels.silu_and_mul(self.gate_up(x)))

@@ -1,0 +1,136 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): one file, same math.
+
+Differences are config flags: Qwen2 has q/k/v biases, Qwen3 RMS-normalises q
+and k per head before rotary. q/k/v and gate/up projections are fused at load
+time (one matmul each). Inference only; weights are plain tensors taken from an
+HF-named state dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from laneserve.model.arch import ArchConfig
+from laneserve.model.attention import AttentionMetadata, Kernels, paged_attention
+from laneserve.model.layers import GatedMLP, Linear, RMSNorm, Rotary
+
+WeightGetter = Callable[[str], torch.Tensor]
+
+
+class DecoderLayer:
+    def __init__(
+        self, arch: ArchConfig, kernels: Kernels, get: WeightGetter, prefix: str, rotary: Rotary
+    ) -> None:
+        self.arch = arch
+        self.kernels = kernels
+        self.rotary = rotary
+        a = f"{prefix}.self_attn"
+        qkv_w = torch.cat([get(f"{a}.q_proj.weight"), get(f"{a}.k_proj.weight"), get(f"{a}.v_proj.weight")])
+        qkv_b = None
+        if arch.qkv_bias:
+            qkv_b = torch.cat([get(f"{a}.q_proj.bias"), get(f"{a}.k_proj.bias"), get(f"{a}.v_proj.bias")])
+        self.qkv = Linear(kernels, qkv_w, qkv_b)
+        self.o_proj = Linear(kernels, get(f"{a}.o_proj.weight"), None)
+        self.q_norm = self.k_norm = None
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(kernels, get(f"{a}.q_norm.weight"), arch.rms_norm_eps)
+            self.k_norm = RMSNorm(kernels, get(f"{a}.k_norm.weight"), arch.rms_norm_eps)
+        m = f"{prefix}.mlp"
+        gate_up = torch.cat([get(f"{m}.gate_proj.weight"), get(f"{m}.up_proj.weight")])
+        self.mlp = GatedMLP(kernels, gate_up, get(f"{m}.down_proj.weight"))
+        self.input_norm = RMSNorm(kernels, get(f"{prefix}.input_layernorm.weight"), arch.rms_norm_eps)
+        self.post_norm = RMSNorm(
+            kernels, get(f"{prefix}.post_attention_layernorm.weight"), arch.rms_norm_eps
+        )
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim**-0.5
+
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,  # [T, H], normed input of this layer
+        residual: torch.Tensor,  # [T, H], updated in place
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        attn = self.attention(positions, hidden, kv_cache, meta)
+        self.post_norm.add_(attn, residual)
+        return self.mlp(attn)
+
+    def attention(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        arch, t = self.arch, x.shape[0]
+        qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = q.contiguous(), k.contiguous()
+        if self.q_norm is not None:
+            q = self.q_norm(q.view(-1, arch.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.view(-1, arch.head_dim)).view(t, self.kv_size)
+        self.rotary(positions, q, k)
+        out = paged_attention(
+            self.kernels,
+            q.view(t, arch.num_heads, arch.head_dim),
+            k.view(t, arch.num_kv_heads, arch.head_dim),
+            v.contiguous().view(t, arch.num_kv_heads, arch.head_dim),
+            kv_cache,
+            meta,
+            self.scale,
+        )
+        return self.o_proj(out.view(t, self.q_size))
+
+
+class LlamaModel:
+    """forward(ids, positions, meta, caches) -> (normed hidden, pre-norm hidden)."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        kernels: Kernels,
+        get: WeightGetter,
+        device: torch.device,
+        act_dtype: torch.dtype,
+        max_positions: int,
+    ) -> None:
+        self.arch = arch
+        self.kernels = kernels
+        self.act_dtype = act_dtype
+        self.embed_tokens = get("model.embed_tokens.weight")  # [V, H], weight dtype
+        rotary = Rotary(kernels, arch.inv_freq(), max_positions, arch.head_dim, device, act_dtype)
+        self.layers = [
+            DecoderLayer(arch, kernels, get, f"model.layers.{i}", rotary)
+            for i in range(arch.num_layers)
+        ]
+        self.norm = RMSNorm(kernels, get("model.norm.weight"), arch.rms_norm_eps)
+        head = self.embed_tokens if arch.tie_word_embeddings else get("lm_head.weight")
+        self.lm_head = Linear(kernels, head, None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, H]
+        residual = self.embed(input_ids)
+        hidden = self.layers[0].input_norm(residual)
+        for i, layer in enumerate(self.layers):
+            if i:
+                layer.input_norm.add_(hidden, residual)
+            hidden = layer(positions, hidden, residual, kv_caches[i], meta)
+        self.norm.add_(hidden, residual)
+        return hidden, residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] fp32
+        return self.lm_head(hidden).float()

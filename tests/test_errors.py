@@ -1,0 +1,136 @@
+"""Bad input gets a clear error, and the engine keeps working afterwards."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from laneserve import LLM, SamplingParams
+
+
+def test_missing_model_path() -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM("/no/such/model")
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        LLM(str(f))
+
+
+def test_corrupt_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANESERVE_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "broken.gguf"
+    f.write_bytes(b"GGUF" + b"\x07" * 64)
+    with pytest.raises(ValueError, match="cannot read GGUF file"):
+        LLM(str(f))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match=r"unsupported architecture.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        LLM(str(tmp_path))
+
+
+def test_directory_without_weights(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    shutil.copy(tiny_models["llama"] / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(str(tmp_path))
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_wrong_tensor_shape(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    d = _copy_model(tiny_models["llama"], tmp_path / "m")
+    w = load_file(str(d / "model.safetensors"))
+    w["model.layers.1.mlp.down_proj.weight"] = w["model.layers.1.mlp.down_proj.weight"][:, :-1].contiguous()
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj.weight.*expected"):
+        LLM(str(d))
+
+
+def test_nan_tensor(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    d = _copy_model(tiny_models["qwen2"], tmp_path / "m")
+    w = load_file(str(d / "model.safetensors"))
+    w["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="q_proj.weight.*NaN"):
+        LLM(str(d))
+
+
+def test_truncated_safetensors(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    d = _copy_model(tiny_models["qwen3"], tmp_path / "m")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        LLM(str(d))
+
+
+def test_missing_tensor(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    d = _copy_model(tiny_models["llama"], tmp_path / "m")
+    w = load_file(str(d / "model.safetensors"))
+    del w["model.layers.2.post_attention_layernorm.weight"]
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="post_attention_layernorm.weight.*missing"):
+        LLM(str(d))
+
+
+def test_bad_requests_fail_alone(tiny_models: dict[str, Path]) -> None:
+    with LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=64) as llm:
+        with pytest.raises(ValueError, match="max_model_len is 64"):
+            llm.generate({"prompt_token_ids": [5] * 64}, use_tqdm=False)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate({"prompt_token_ids": [5, 99999]}, use_tqdm=False)
+        with pytest.raises(ValueError, match="prompt is empty"):
+            llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+        with pytest.raises(ValueError, match="temperature"):
+            llm.generate("hi", SamplingParams(temperature=-1), use_tqdm=False)
+        with pytest.raises(TypeError, match="unknown engine arguments"):
+            LLM(str(tiny_models["llama"]), max_num_seq=3)
+        # a batch with one bad prompt is rejected whole, before anything runs
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7] * 80}], use_tqdm=False)
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) >= 1
+        assert not llm.engine.has_unfinished
+
+
+def test_engine_argument_validation(tiny_models: dict[str, Path]) -> None:
+    d = str(tiny_models["llama"])
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LLM(d, dtype="int3")
+    with pytest.raises(ValueError, match="max_model_len=100000 exceeds"):
+        LLM(d, max_model_len=100000)
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(d, num_kv_blocks=2, max_model_len=256)
+    with pytest.raises(ValueError, match="speculative"):
+        LLM(d, speculative_config='{"method": "eagle"}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LLM(d, speculative_config="{method")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            LLM(d, device="cuda")
+
+
+def test_cli_reports_errors_cleanly() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "laneserve.entrypoints.cli", "generate", "hi", "--model", "/no/such/dir"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "error: model path '/no/such/dir' does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,138 @@
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints built with transformers, with a
+small byte-level BPE tokenizer and a chat template, for fast real-model tests.
+
+The weights use a large init range so greedy argmaxes have clear margins
+(fp32 differences between kernels then never flip a token).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The old lighthouse stood at the end of a narrow spit of rock.",
+    "A computer learns patterns from millions of examples, one at a time.",
+    "Cooking, gardening and music reward patience and careful attention.",
+    "Zürich, São Paulo and Kraków — naïve café déjà vu 東京 🙂",
+] * 20
+
+
+def build_tokenizer(out: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def build_tiny_model(out: Path, family: str, *, seed: int = 0, tie: bool = False) -> Path:
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, 320)
+    common = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        initializer_range=0.15,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "llama":
+        cfg = LlamaConfig(
+            **common,
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 50000.0,
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+        cls = LlamaForCausalLM
+    elif family == "qwen2":
+        cfg, cls = Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), Qwen2ForCausalLM
+    elif family == "qwen3":
+        cfg, cls = Qwen3Config(**common, head_dim=16), Qwen3ForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = cls(cfg).float().eval()
+    with torch.no_grad():  # biases and norms are zero/one by default: randomise them
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif "norm" in name:
+                p.uniform_(0.7, 1.3)
+            elif "lm_head" in name or (tie and "embed_tokens" in name):
+                p.mul_(4.0)  # wider logits: clear greedy margins
+    model.save_pretrained(str(out))
+    return out
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` (fp32, one prompt, EOS ignored); memoised."""
+    return list(_hf_greedy(str(model_dir), tuple(prompt), max_new_tokens))
+
+
+@functools.cache
+def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    from transformers import GenerationConfig
+
+    model = _cached_model(model_dir)
+    ids = torch.tensor([prompt])
+    # NOTE: no EOS at all (not min_new_tokens, which would ban EOS and change
+    # the argmax): laneserve's ignore_eos keeps EOS as an ordinary token.
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+    return tuple(out[0, len(prompt) :].tolist())
+
+
+@functools.cache
+def _cached_model(path: str):  # noqa: ANN202 - a transformers model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
