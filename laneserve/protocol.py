@@ -80,7 +80,7 @@ class StepTiming(msgspec.Struct, **_STRUCT):
     reclaim_s: float = 0.0
 
 
-class StepResult(msgspec.Struct, **_STRUCT):
+class StepResult(msgspec.Struct, tag=True, **_STRUCT):
     step_id: int
     outputs: list[RequestOutput] = []
     errors: list[RequestError] = []
@@ -93,7 +93,7 @@ class CacheGroupInfo(msgspec.Struct, **_STRUCT):
     num_blocks: int
 
 
-class WorkerReady(msgspec.Struct, **_STRUCT):
+class WorkerReady(msgspec.Struct, tag=True, **_STRUCT):
     """The worker handshake: what the engine learns at start-up."""
 
     cache_groups: list[CacheGroupInfo]
@@ -108,11 +108,13 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     load_s: float
 
 
-class WorkerFailed(msgspec.Struct, **_STRUCT):
+class WorkerFailed(msgspec.Struct, tag=True, **_STRUCT):
     message: str
+    bad_input: bool = False  # a ValueError (bad model path, bad config) vs a crash
 
 
-Message = StepCommand | StepResult | WorkerReady | WorkerFailed
+# worker -> engine
+WorkerMessage = StepResult | WorkerReady | WorkerFailed
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -127,3 +129,7 @@ def decode_command(data: bytes) -> StepCommand:
 
 def decode_result(data: bytes) -> StepResult:
     return msgspec.msgpack.decode(data, type=StepResult)
+
+
+def decode_worker_message(data: bytes) -> WorkerMessage:
+    return msgspec.msgpack.decode(data, type=WorkerMessage)

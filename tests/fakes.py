@@ -36,7 +36,9 @@ def next_token(seq: list[int]) -> int:
     return int.from_bytes(h, "little") % VOCAB
 
 
-def reference(prompt: list[int], n: int, stop: Callable[[int], bool] = lambda t: False) -> list[int]:
+def reference(
+    prompt: list[int], n: int, stop: Callable[[int], bool] = lambda t: False
+) -> list[int]:
     seq, out = list(prompt), []
     for _ in range(n):
         t = next_token(seq)
@@ -148,7 +150,7 @@ class FakeWorker:
         bs = self.block_size
         return [self.kv[(req.blocks[p // bs], p % bs)] for p in range(n)]
 
-    def _run_one(self, req: _Req, s) -> tuple[list[int], list, int, int] | None:  # noqa: ANN001
+    def _run_one(self, req: _Req, s) -> tuple[list[int], list, int, int] | None:
         if s.decode:
             start = len(req.tokens) - 1  # the worker's committed count, not the plan
             assert s.num_tokens == 1 + s.num_spec, "a decode is one token plus its draft slots"

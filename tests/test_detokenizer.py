@@ -20,7 +20,9 @@ EURO = "€".encode()  # 3 bytes
 PIECES = [b"Hel", b"lo", b" wor", b"ld", EURO[:1], EURO[1:2], EURO[2:], b"!", b" #", b"##", b" end"]
 
 
-def stream(ids: list[int], params: SamplingParams) -> tuple[list[str], IncrementalDetokenizer, int | None]:
+def stream(
+    ids: list[int], params: SamplingParams
+) -> tuple[list[str], IncrementalDetokenizer, int | None]:
     d = IncrementalDetokenizer(ByteTokenizer(PIECES), [0], params)
     deltas, stopped_at = [], None
     for i, t in enumerate(ids):
@@ -34,7 +36,7 @@ def stream(ids: list[int], params: SamplingParams) -> tuple[list[str], Increment
 
 
 def test_multibyte_character_is_never_split() -> None:
-    deltas, d, _ = stream([1, 2, 4, 5, 6, 7], SamplingParams())
+    deltas, _, _ = stream([1, 2, 4, 5, 6, 7], SamplingParams())
     assert "".join(deltas) == "lo wor€!"
     assert all("\ufffd" not in x for x in deltas)
     assert deltas[2] == "" and deltas[3] == "" and deltas[4] == "€"
@@ -49,15 +51,17 @@ def test_stop_string_across_token_boundary_is_trimmed() -> None:
 
 
 def test_stop_string_included_on_request() -> None:
-    deltas, d, _ = stream([1, 2, 8, 9, 10], SamplingParams(stop=["###"], include_stop_str_in_output=True))
+    deltas, _, _ = stream(
+        [1, 2, 8, 9, 10], SamplingParams(stop=["###"], include_stop_str_in_output=True)
+    )
     assert "".join(deltas) == "lo wor ###"
 
 
 def test_no_stop_streams_everything() -> None:
-    deltas, d, at = stream([1, 2, 3, 10], SamplingParams(stop=["zzz"]))
+    deltas, _, at = stream([1, 2, 3, 10], SamplingParams(stop=["zzz"]))
     assert at is None and "".join(deltas) == "lo world end"
 
 
 def test_dangling_partial_character_is_flushed_at_the_end() -> None:
-    deltas, d, _ = stream([1, 4], SamplingParams())
+    deltas, _, _ = stream([1, 4], SamplingParams())
     assert "".join(deltas) == "lo\ufffd"

@@ -23,7 +23,7 @@ def test_missing_model_path() -> None:
 def test_not_a_gguf_file(tmp_path: Path) -> None:
     f = tmp_path / "weights.bin"
     f.write_bytes(b"\0" * 16)
-    with pytest.raises(ValueError, match="not a .gguf file"):
+    with pytest.raises(ValueError, match=r"not a .gguf file"):
         LLM(str(f))
 
 
@@ -37,13 +37,15 @@ def test_corrupt_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match=r"unsupported architecture.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(
+        ValueError, match=r"unsupported architecture.*LlamaForCausalLM.*Qwen3ForCausalLM"
+    ):
         LLM(str(tmp_path))
 
 
 def test_directory_without_weights(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     shutil.copy(tiny_models["llama"] / "config.json", tmp_path / "config.json")
-    with pytest.raises(ValueError, match="no \\*.safetensors"):
+    with pytest.raises(ValueError, match=r"no \\*.safetensors"):
         LLM(str(tmp_path))
 
 
@@ -55,7 +57,9 @@ def _copy_model(src: Path, dst: Path) -> Path:
 def test_wrong_tensor_shape(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     d = _copy_model(tiny_models["llama"], tmp_path / "m")
     w = load_file(str(d / "model.safetensors"))
-    w["model.layers.1.mlp.down_proj.weight"] = w["model.layers.1.mlp.down_proj.weight"][:, :-1].contiguous()
+    w["model.layers.1.mlp.down_proj.weight"] = w["model.layers.1.mlp.down_proj.weight"][
+        :, :-1
+    ].contiguous()
     save_file(w, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj.weight.*expected"):
         LLM(str(d))
@@ -66,7 +70,7 @@ def test_nan_tensor(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     w = load_file(str(d / "model.safetensors"))
     w["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
     save_file(w, str(d / "model.safetensors"))
-    with pytest.raises(ValueError, match="q_proj.weight.*NaN"):
+    with pytest.raises(ValueError, match=r"q_proj.weight.*NaN"):
         LLM(str(d))
 
 
@@ -74,7 +78,7 @@ def test_truncated_safetensors(tmp_path: Path, tiny_models: dict[str, Path]) -> 
     d = _copy_model(tiny_models["qwen3"], tmp_path / "m")
     data = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match="model.safetensors"):
+    with pytest.raises(ValueError, match=r"model.safetensors"):
         LLM(str(d))
 
 
@@ -83,7 +87,7 @@ def test_missing_tensor(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     w = load_file(str(d / "model.safetensors"))
     del w["model.layers.2.post_attention_layernorm.weight"]
     save_file(w, str(d / "model.safetensors"))
-    with pytest.raises(ValueError, match="post_attention_layernorm.weight.*missing"):
+    with pytest.raises(ValueError, match=r"post_attention_layernorm.weight.*missing"):
         LLM(str(d))
 
 
@@ -101,8 +105,14 @@ def test_bad_requests_fail_alone(tiny_models: dict[str, Path]) -> None:
             LLM(str(tiny_models["llama"]), max_num_seq=3)
         # a batch with one bad prompt is rejected whole, before anything runs
         with pytest.raises(ValueError, match="max_model_len"):
-            llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7] * 80}], use_tqdm=False)
-        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+            llm.generate(
+                [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7] * 80}], use_tqdm=False
+            )
+        out = llm.generate(
+            {"prompt_token_ids": [5, 6, 7]},
+            SamplingParams(max_tokens=5, temperature=0),
+            use_tqdm=False,
+        )
         assert len(out[0].outputs[0].token_ids) >= 1
         assert not llm.engine.has_unfinished
 
@@ -126,7 +136,15 @@ def test_engine_argument_validation(tiny_models: dict[str, Path]) -> None:
 
 def test_cli_reports_errors_cleanly() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "laneserve.entrypoints.cli", "generate", "hi", "--model", "/no/such/dir"],
+        [
+            sys.executable,
+            "-m",
+            "laneserve.entrypoints.cli",
+            "generate",
+            "hi",
+            "--model",
+            "/no/such/dir",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -108,7 +108,9 @@ def test_penalties_follow_their_definitions() -> None:
     history = torch.tensor([[0, 1, 1, 2, 2]])
     known = torch.tensor([5])
     logits = torch.tensor([[2.0, -1.0, 1.0, 0.5]])
-    p = SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    p = SamplingParams(
+        temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25
+    )
     rows = [RowSampling(p, None, 2, [0])]
     b = sampler.prepare(rows, 4, torch.device("cpu"), torch.Generator())
     out = logits.clone()

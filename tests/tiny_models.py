@@ -91,7 +91,10 @@ def build_tiny_model(out: Path, family: str, *, seed: int = 0, tie: bool = False
         )
         cls = LlamaForCausalLM
     elif family == "qwen2":
-        cfg, cls = Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), Qwen2ForCausalLM
+        cfg, cls = (
+            Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+            Qwen2ForCausalLM,
+        )
     elif family == "qwen3":
         cfg, cls = Qwen3Config(**common, head_dim=16), Qwen3ForCausalLM
     else:
@@ -123,14 +126,16 @@ def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> 
     ids = torch.tensor([prompt])
     # NOTE: no EOS at all (not min_new_tokens, which would ban EOS and change
     # the argmax): laneserve's ignore_eos keeps EOS as an ordinary token.
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    cfg = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0
+    )
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
     return tuple(out[0, len(prompt) :].tolist())
 
 
 @functools.cache
-def _cached_model(path: str):  # noqa: ANN202 - a transformers model
+def _cached_model(path: str):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -12,7 +12,8 @@ from typing import Protocol
 from laneserve.config import EngineConfig
 from laneserve.core.kv_cache_manager import KVCacheManager
 from laneserve.core.request import Request, RequestStatus
-from laneserve.core.scheduler import EngineCoreOutput, Scheduler
+from laneserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from laneserve.obs.profiling import Tracer
 from laneserve.protocol import StepCommand, StepResult, WorkerReady
 from laneserve.sampling_params import SamplingParams
 
@@ -35,25 +36,43 @@ class WorkerClient(Protocol):
     def shutdown(self) -> None: ...
 
 
+class EngineDeadError(RuntimeError):
+    """The worker died and was not restarted: the engine cannot serve."""
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, client: WorkerClient) -> None:
+    def __init__(
+        self, config: EngineConfig, client: WorkerClient, tracer: Tracer | None = None
+    ) -> None:
         self.config = config
         self.client = client
-        ready = client.ready
+        self.tracer = tracer or Tracer(None)
+        self.depth = 2 if config.scheduler.async_scheduling else 1
+        self.healthy = True
+        self.num_worker_restarts = 0
+        self._restart_pending = False
+        self._handles = itertools.count(1)
+        self._build(client.ready, stats=None)
+
+    def _build(self, ready: WorkerReady, stats: SchedulerStats | None) -> None:
+        """KV accounting and scheduler for a (new) worker; its cache starts empty."""
         self.ready = ready
         self.max_model_len = ready.max_model_len
         self.kv = KVCacheManager(
             [g.kind for g in ready.cache_groups],
             [g.num_blocks for g in ready.cache_groups],
             ready.block_size,
-            config.cache.enable_prefix_caching,
+            self.config.cache.enable_prefix_caching,
         )
-        spec = config.speculative
+        spec = self.config.speculative
         self.scheduler = Scheduler(
-            config.scheduler, self.kv, ready.max_model_len, spec.num_speculative_tokens if spec else 0
+            self.config.scheduler,
+            self.kv,
+            ready.max_model_len,
+            spec.num_speculative_tokens if spec else 0,
         )
-        self.depth = 2 if config.scheduler.async_scheduling else 1
-        self._handles = itertools.count(1)
+        if stats is not None:
+            self.scheduler.stats = stats
 
     # -- requests ----------------------------------------------------------
     def add_request(
@@ -63,6 +82,8 @@ class EngineCore:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...],
     ) -> Request:
+        if not self.healthy:
+            raise EngineDeadError("the worker died and was not restarted (--no-restart-worker)")
         self.check_prompt(prompt_token_ids)
         limit = self.config.scheduler.max_queued_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
@@ -102,27 +123,53 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Fill the pipeline up to `depth` steps, then take the oldest result."""
-        while self.scheduler.num_in_flight < self.depth:
-            cmd = self.scheduler.schedule()
-            if cmd is None:
-                break
-            self.client.submit(cmd)
-        if self.scheduler.num_in_flight == 0:
-            return []
+        if self._restart_pending:
+            self._restart_worker()
         try:
+            while self.scheduler.num_in_flight < self.depth:
+                with self.tracer.span("schedule", "engine"):
+                    cmd = self.scheduler.schedule()
+                if cmd is None:
+                    break
+                self.client.submit(cmd)
+            if self.scheduler.num_in_flight == 0:
+                return []
             result = self.client.get_result()
         except WorkerDiedError as e:
-            return self._fail_everything(str(e))
-        return self.scheduler.update_from_output(result)
+            return self._worker_died(str(e))
+        with self.tracer.span("update", "engine", step=result.step_id):
+            return self.scheduler.update_from_output(result)
 
-    def _fail_everything(self, message: str) -> list[EngineCoreOutput]:
-        """The worker is gone: every unfinished request fails now (no hang)."""
+    def _worker_died(self, message: str) -> list[EngineCoreOutput]:
+        """Every unfinished request fails now (no hang); then restart or go unhealthy."""
+        log.error("%s; failing %d requests", message, self.scheduler.num_unfinished)
         self.scheduler.drop_in_flight()
         outs = []
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.fail(req.handle, f"worker failed: {message}")
             outs.append(EngineCoreOutput(req, [], finished=True))
+        if self.config.worker.restart_on_failure and hasattr(self.client, "restart"):
+            self._restart_pending = True  # NOTE: after the failures reach the callers
+        else:
+            self.healthy = False
         return outs
+
+    def _restart_worker(self) -> None:
+        self._restart_pending = False
+        try:
+            self.client.restart()
+        except Exception as e:
+            log.error("worker restart failed: %s", e)
+            self.healthy = False
+            for req in list(self.scheduler.waiting):
+                self.scheduler.fail(req.handle, f"worker restart failed: {e}")
+            return
+        self.num_worker_restarts += 1
+        arrived = list(self.scheduler.waiting)  # added after the failure, never scheduled
+        self._build(self.client.ready, self.scheduler.stats)
+        for req in arrived:
+            self.scheduler.add_request(req)
+        log.warning("worker restarted (%d restarts so far)", self.num_worker_restarts)
 
     def shutdown(self) -> None:
         self.client.shutdown()
@@ -132,4 +179,11 @@ class QueueFullError(RuntimeError):
     """More waiting requests than --max-queued-requests."""
 
 
-__all__ = ["EngineCore", "QueueFullError", "RequestStatus", "WorkerClient", "WorkerDiedError"]
+__all__ = [
+    "EngineCore",
+    "EngineDeadError",
+    "QueueFullError",
+    "RequestStatus",
+    "WorkerClient",
+    "WorkerDiedError",
+]

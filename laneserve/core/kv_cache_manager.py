@@ -32,7 +32,14 @@ class CacheGroupSpec:
     @property
     def bytes_per_block(self) -> int:
         # K and V for every layer of the group
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return (
+            2
+            * self.num_layers
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * self.dtype_bytes
+        )
 
 
 class FullAttentionGroup:

@@ -283,9 +283,15 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------
     def update_from_output(self, result: StepResult) -> list[EngineCoreOutput]:
-        planned = self._in_flight.pop(result.step_id)
+        # NOTE: results arrive in FIFO order: this is the oldest step in flight.
+        step_id = next(iter(self._in_flight))
+        planned = self._in_flight.pop(step_id)
         outputs = {o.handle: o for o in result.outputs}
         errors = {e.handle: e.message for e in result.errors}
+        if result.step_id != step_id:  # the worker could not even read the command
+            message = next(iter(errors.values()), "the worker could not read the step command")
+            errors = {p.handle: message for p in planned}
+            outputs = {}
         news: list[EngineCoreOutput] = []
         for plan in planned:
             req = self.requests.get(plan.handle)
@@ -302,7 +308,9 @@ class Scheduler:
                 self.kv.cache_blocks(req, req.num_computed_tokens)
         return news
 
-    def _reconcile(self, req: Request, plan: Planned, out: RequestOutput | None) -> EngineCoreOutput:
+    def _reconcile(
+        self, req: Request, plan: Planned, out: RequestOutput | None
+    ) -> EngineCoreOutput:
         tokens = out.token_ids if out is not None else []
         self._awaiting_prefill.discard(req.handle)
         req.num_output_placeholders -= 1 + plan.num_spec

@@ -17,13 +17,15 @@ import time
 
 from tqdm import tqdm
 
-from laneserve.entrypoints.workload import CASES, NEW_TOKENS, corpus_ids, prompt_token_ids
+from laneserve.entrypoints.workload import NEW_TOKENS, corpus_ids, prompt_token_ids
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from laneserve.engine_args import EngineArgs
 
-    p = sub.add_parser("offline", help="offline throughput vs HF transformers (same prompts, one run)")
+    p = sub.add_parser(
+        "offline", help="offline throughput vs HF transformers (same prompts, one run)"
+    )
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--cases", default="short")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
@@ -60,9 +62,16 @@ def run(ns: argparse.Namespace) -> int:
             times.append(time.perf_counter() - t)
             assert all(len(o.outputs[0].token_ids) == ns.new_tokens for o in outs)
         e2e = statistics.median(times)
-        rows.append({"engine": "laneserve", "case": case, "batch": bs, "e2e_s": round(e2e, 3),
-                     "output_tok_s": round(bs * ns.new_tokens / e2e, 1),
-                     "first_tokens_seq0": outs[0].outputs[0].token_ids[:12]})
+        rows.append(
+            {
+                "engine": "laneserve",
+                "case": case,
+                "batch": bs,
+                "e2e_s": round(e2e, 3),
+                "output_tok_s": round(bs * ns.new_tokens / e2e, 1),
+                "first_tokens_seq0": outs[0].outputs[0].token_ids[:12],
+            }
+        )
     model_dir = str(llm.engine.model_dir)
     stats = llm.get_stats()
     llm.shutdown()
@@ -75,7 +84,9 @@ def run(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _run_hf(model_dir: str, dtype: str, jobs: list, ids: list[int], n: int, repeats: int, name: str) -> list[dict]:
+def _run_hf(
+    model_dir: str, dtype: str, jobs: list, ids: list[int], n: int, repeats: int, name: str
+) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -85,29 +96,49 @@ def _run_hf(model_dir: str, dtype: str, jobs: list, ids: list[int], n: int, repe
     for case, bs in tqdm(jobs, desc=name, file=sys.stderr):
         x = torch.tensor(prompt_token_ids(ids, case, bs))
         with torch.inference_mode():
-            model.generate(x[:1], attention_mask=torch.ones_like(x[:1]), generation_config=GenerationConfig(
-                do_sample=False, max_new_tokens=4, pad_token_id=2))
+            model.generate(
+                x[:1],
+                attention_mask=torch.ones_like(x[:1]),
+                generation_config=GenerationConfig(
+                    do_sample=False, max_new_tokens=4, pad_token_id=2
+                ),
+            )
             times = []
             for _ in range(repeats):
                 t = time.perf_counter()
                 out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)
                 times.append(time.perf_counter() - t)
         e2e = statistics.median(times)
-        rows.append({"engine": name, "dtype": dtype, "case": case, "batch": bs, "e2e_s": round(e2e, 3),
-                     "output_tok_s": round(bs * n / e2e, 1),
-                     "first_tokens_seq0": out[0, x.shape[1]: x.shape[1] + 12].tolist()})
+        rows.append(
+            {
+                "engine": name,
+                "dtype": dtype,
+                "case": case,
+                "batch": bs,
+                "e2e_s": round(e2e, 3),
+                "output_tok_s": round(bs * n / e2e, 1),
+                "first_tokens_seq0": out[0, x.shape[1] : x.shape[1] + 12].tolist(),
+            }
+        )
     return rows
 
 
 def _print_table(rows: list[dict], peers: list[str]) -> None:
     ours = {(r["case"], r["batch"]): r for r in rows if r["engine"] == "laneserve"}
-    head = "| case | batch | laneserve tok/s |" + "".join(f" {p} tok/s | ratio vs {p} |" for p in peers)
+    head = "| case | batch | laneserve tok/s |" + "".join(
+        f" {p} tok/s | ratio vs {p} |" for p in peers
+    )
     print(head, file=sys.stderr)
     print("|" + "---|" * (3 + 2 * len(peers)), file=sys.stderr)
     for (case, bs), r in ours.items():
         line = f"| {case} | {bs} | {r['output_tok_s']} |"
         for p in peers:
-            peer = next((x for x in rows if x["engine"] == p and x["case"] == case and x["batch"] == bs), None)
+            peer = next(
+                (x for x in rows if x["engine"] == p and x["case"] == case and x["batch"] == bs),
+                None,
+            )
             if peer:
-                line += f" {peer['output_tok_s']} | {r['output_tok_s'] / peer['output_tok_s']:.2f}x |"
+                line += (
+                    f" {peer['output_tok_s']} | {r['output_tok_s'] / peer['output_tok_s']:.2f}x |"
+                )
         print(line, file=sys.stderr)

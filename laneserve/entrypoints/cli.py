@@ -25,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="laneserve",
         description="LLM inference and serving on PyTorch (vLLM-compatible interface).",
     )
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_generate(sub)

@@ -61,7 +61,7 @@ than the exact sounds. The same is true of stories, recipes, cities and gardens:
 """
 
 
-def corpus_ids(tokenizer) -> list[int]:  # noqa: ANN001 - an HF tokenizer
+def corpus_ids(tokenizer) -> list[int]:
     return tokenizer(CORPUS, add_special_tokens=False)["input_ids"]
 
 

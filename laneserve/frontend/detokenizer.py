@@ -58,7 +58,11 @@ class IncrementalDetokenizer:
         """The text not handed out yet (minus a possible stop prefix unless finished)."""
         if finished:
             self.flush()
-        end = len(self.text) if finished or self.stop_reason else max(self.sent, len(self.text) - self.hold)
+        end = (
+            len(self.text)
+            if finished or self.stop_reason
+            else max(self.sent, len(self.text) - self.hold)
+        )
         if not self.stop:
             end = len(self.text)
         delta = self.text[self.sent : end]

@@ -15,22 +15,29 @@ from laneserve.core.engine_core import EngineCore, WorkerClient
 from laneserve.core.request import Request
 from laneserve.frontend.output_processor import Delta, OutputProcessor, RequestState
 from laneserve.frontend.tokenizer import Tokenizer
+from laneserve.obs.profiling import Tracer
 from laneserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-def make_client(config: EngineConfig) -> WorkerClient:
-    from laneserve.worker.clients import InlineClient
+def make_client(config: EngineConfig, tracer: Tracer) -> WorkerClient:
+    """Process worker, or in-process lanes (async) / inline steps (sync)."""
+    if config.worker.mode == "process":
+        from laneserve.ipc import ProcessClient
 
-    return InlineClient(config)
+        return ProcessClient(config, tracer)
+    from laneserve.worker.clients import InlineClient, LaneClient
+
+    return LaneClient(config) if config.scheduler.async_scheduling else InlineClient(config)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, client: WorkerClient | None = None) -> None:
         self.config = config
-        self.client = client or make_client(config)
-        self.core = EngineCore(config, self.client)
+        self.tracer = Tracer(config.worker.profile_dir, role="engine")
+        self.client = client or make_client(config, self.tracer)
+        self.core = EngineCore(config, self.client, self.tracer)
         ready = self.client.ready
         self.model_dir = Path(ready.model_dir)
         self.tokenizer = Tokenizer(config.model.tokenizer or ready.model_dir)
@@ -51,10 +58,16 @@ class LLMEngine:
             return self.tokenizer.encode(prompt), prompt
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt), None
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise ValueError(
+            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
     ) -> list[RequestState]:
         """Add one request (n samples); raises ValueError before adding anything."""
         if request_id in self.groups:
@@ -75,7 +88,9 @@ class LLMEngine:
             self.processor.abort(state.request.handle)
 
     def step(self) -> list[Delta]:
-        deltas, to_abort = self.processor.process(self.core.step())
+        outputs = self.core.step()
+        with self.tracer.span("detokenize", "engine"):
+            deltas, to_abort = self.processor.process(outputs)
         for req in to_abort:
             self.core.abort(req)
         for d in deltas:
@@ -94,6 +109,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+        self.tracer.flush()
 
     def stats(self) -> dict:
         s = self.core.scheduler.stats

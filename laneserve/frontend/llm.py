@@ -26,7 +26,7 @@ class LLM:
         self.engine = LLMEngine(args.create_config())
         self._ids = itertools.count()
 
-    def get_tokenizer(self):  # noqa: ANN201 - the HF tokenizer object
+    def get_tokenizer(self):
         return self.engine.tokenizer.hf
 
     def generate(
@@ -53,7 +53,11 @@ class LLM:
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": self.engine.tokenizer.apply_chat_template(c, add_generation_prompt)}
+            {
+                "prompt_token_ids": self.engine.tokenizer.apply_chat_template(
+                    c, add_generation_prompt
+                )
+            }
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -71,7 +75,10 @@ class LLM:
         self.shutdown()
 
     def _run(
-        self, tokenized: list[tuple[list[int], str | None]], params: list[SamplingParams], use_tqdm: bool
+        self,
+        tokenized: list[tuple[list[int], str | None]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
     ) -> list[RequestOutput]:
         order: list[str] = []
         groups: dict[str, list[RequestState]] = {}
@@ -80,7 +87,9 @@ class LLM:
             groups[rid] = self.engine.add_request(rid, ids, p, text)
             order.append(rid)
         texts: dict[int, str] = {}
-        bar = tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm or len(order) < 2)
+        bar = tqdm(
+            total=len(order), desc="generating", unit="req", disable=not use_tqdm or len(order) < 2
+        )
         done = 0
         while self.engine.has_unfinished:
             for d in self.engine.step():

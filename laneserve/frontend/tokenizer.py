@@ -15,7 +15,7 @@ class Tokenizer:
 
         try:
             self.hf = AutoTokenizer.from_pretrained(str(directory))
-        except Exception as e:  # noqa: BLE001 - any failure means no usable tokenizer
+        except Exception as e:
             raise ValueError(f"cannot load a tokenizer from {directory}: {e}") from None
         self.vocab_size = len(self.hf)
         self.eos_token_id: int | None = self.hf.eos_token_id

@@ -80,7 +80,7 @@ def _convert(path: Path, out: Path, dtype: torch.dtype) -> None:
 
     try:
         reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - any parse failure means a bad file
+    except Exception as e:
         raise ValueError(f"cannot read GGUF file {path}: {e}") from None
     config = _hf_config(reader)
     tensors: dict[str, torch.Tensor] = {}
@@ -90,10 +90,12 @@ def _convert(path: Path, out: Path, dtype: torch.dtype) -> None:
             continue
         try:
             array = gguf.quants.dequantize(t.data, t.tensor_type)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise ValueError(f"GGUF tensor {t.name} in {path} is corrupt: {e}") from None
         array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
-        if config["model_type"] in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if config["model_type"] in ("llama", "mistral") and name.endswith(
+            ("q_proj.weight", "k_proj.weight")
+        ):
             heads = config["num_attention_heads"]
             if name.endswith("k_proj.weight"):
                 heads = config["num_key_value_heads"]
@@ -105,8 +107,10 @@ def _convert(path: Path, out: Path, dtype: torch.dtype) -> None:
     _save_tokenizer(path, out)
 
 
-def _hf_config(reader) -> dict:  # noqa: ANN001 - gguf.GGUFReader
-    fields = {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+def _hf_config(reader) -> dict:
+    fields = {
+        k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
+    }
     arch = fields.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -128,7 +132,9 @@ def _hf_config(reader) -> dict:  # noqa: ANN001 - gguf.GGUFReader
         "rms_norm_eps": float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
         "rope_theta": float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(fields.get(f"{arch}.context_length", 2048)),
-        "vocab_size": int(fields.get(f"{arch}.vocab_size") or len(tok["tokenizer.ggml.tokens"].data)),
+        "vocab_size": int(
+            fields.get(f"{arch}.vocab_size") or len(tok["tokenizer.ggml.tokens"].data)
+        ),
         "hidden_act": "silu",
         "dtype": "bfloat16",
     }
@@ -141,7 +147,7 @@ def _hf_config(reader) -> dict:  # noqa: ANN001 - gguf.GGUFReader
     return config
 
 
-def _field_value(field):  # noqa: ANN001, ANN202 - gguf.ReaderField -> python value
+def _field_value(field):
     value = field.contents()
     return value
 

@@ -28,10 +28,14 @@ class DecoderLayer:
         self.kernels = kernels
         self.rotary = rotary
         a = f"{prefix}.self_attn"
-        qkv_w = torch.cat([get(f"{a}.q_proj.weight"), get(f"{a}.k_proj.weight"), get(f"{a}.v_proj.weight")])
+        qkv_w = torch.cat(
+            [get(f"{a}.q_proj.weight"), get(f"{a}.k_proj.weight"), get(f"{a}.v_proj.weight")]
+        )
         qkv_b = None
         if arch.qkv_bias:
-            qkv_b = torch.cat([get(f"{a}.q_proj.bias"), get(f"{a}.k_proj.bias"), get(f"{a}.v_proj.bias")])
+            qkv_b = torch.cat(
+                [get(f"{a}.q_proj.bias"), get(f"{a}.k_proj.bias"), get(f"{a}.v_proj.bias")]
+            )
         self.qkv = Linear(kernels, qkv_w, qkv_b)
         self.o_proj = Linear(kernels, get(f"{a}.o_proj.weight"), None)
         self.q_norm = self.k_norm = None
@@ -41,7 +45,9 @@ class DecoderLayer:
         m = f"{prefix}.mlp"
         gate_up = torch.cat([get(f"{m}.gate_proj.weight"), get(f"{m}.up_proj.weight")])
         self.mlp = GatedMLP(kernels, gate_up, get(f"{m}.down_proj.weight"))
-        self.input_norm = RMSNorm(kernels, get(f"{prefix}.input_layernorm.weight"), arch.rms_norm_eps)
+        self.input_norm = RMSNorm(
+            kernels, get(f"{prefix}.input_layernorm.weight"), arch.rms_norm_eps
+        )
         self.post_norm = RMSNorm(
             kernels, get(f"{prefix}.post_attention_layernorm.weight"), arch.rms_norm_eps
         )
@@ -90,6 +96,10 @@ class DecoderLayer:
 
 class LlamaModel:
     """forward(ids, positions, meta, caches) -> (normed hidden, pre-norm hidden)."""
+
+    # Step inputs are complete host snapshots resolved on the device: step N+1
+    # can be prepared while step N runs.
+    supports_async_prepare = True
 
     def __init__(
         self,

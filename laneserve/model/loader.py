@@ -61,7 +61,9 @@ def resolve_dtype(requested: str, arch_dtype: str | None, device: torch.device) 
         if name == "float16" and device.type == "cpu":
             name = "bfloat16"
         requested = name
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[requested]
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
+        requested
+    ]
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -123,7 +125,7 @@ class WeightStore:
         for file in sorted(set(self._index.values())):
             try:
                 self._files[file] = safe_open(str(ckpt.directory / file), framework="pt")
-            except Exception as e:  # noqa: BLE001 - header parse errors are corrupt files
+            except Exception as e:
                 raise ModelLoadError(f"cannot open {ckpt.directory / file}: {e}") from None
         self.expected = _expected_shapes(ckpt.arch)
         self.loaded = 0
@@ -143,8 +145,8 @@ class WeightStore:
         for name in files:
             try:
                 with safe_open(str(directory / name), framework="pt") as f:
-                    index.update({k: name for k in f.keys()})
-            except Exception as e:  # noqa: BLE001
+                    index.update(dict.fromkeys(f.keys(), name))
+            except Exception as e:
                 raise ModelLoadError(f"cannot open {directory / name}: {e}") from None
         return index
 
@@ -160,7 +162,7 @@ class WeightStore:
             )
         try:
             tensor = self._files[file].get_tensor(name)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise ModelLoadError(f"tensor {name!r} in {file} is corrupt: {e}") from None
         want = self.expected.get(name)
         if want is not None and tuple(tensor.shape) != want:

@@ -1,15 +1,19 @@
-"""In-process worker clients.
+"""In-process worker clients (the process transport lives in `laneserve.ipc`).
 
-`InlineClient` runs every step synchronously inside `submit` (the plain path,
-and the reference the lanes are compared against).
+`InlineClient` runs every step synchronously inside `submit`: the plain path,
+and the reference the lanes are compared against. `LaneClient` runs the same
+`Worker` on its four lane threads; only the transport differs from the
+spawned worker process.
 """
 
 from __future__ import annotations
 
+import queue
 from collections import deque
 
 from laneserve.config import EngineConfig
 from laneserve.protocol import StepCommand, StepResult, WorkerReady
+from laneserve.worker.lanes import Lanes
 from laneserve.worker.worker import Worker
 
 
@@ -27,3 +31,22 @@ class InlineClient:
 
     def shutdown(self) -> None:
         self._results.clear()
+        self.worker.shutdown()
+
+
+class LaneClient:
+    def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
+        self.worker = worker or Worker(config)
+        self.ready: WorkerReady = self.worker.ready()
+        self._results: queue.SimpleQueue[StepResult] = queue.SimpleQueue()
+        self.lanes = Lanes(self.worker, self._results.put)
+
+    def submit(self, cmd: StepCommand) -> None:
+        self.lanes.submit(cmd)
+
+    def get_result(self) -> StepResult:
+        return self._results.get()
+
+    def shutdown(self) -> None:
+        self.lanes.close()
+        self.worker.shutdown()

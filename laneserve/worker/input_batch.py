@@ -95,7 +95,9 @@ class RequestTable:
         if new.handle in self.requests:
             raise CommandError(f"request handle {new.handle} is already registered")
         if not new.prompt_token_ids or len(new.prompt_token_ids) > self.max_model_len:
-            raise CommandError(f"request {new.request_id}: bad prompt length {len(new.prompt_token_ids)}")
+            raise CommandError(
+                f"request {new.request_id}: bad prompt length {len(new.prompt_token_ids)}"
+            )
         gen = None
         if new.sampling_params.seed is not None:
             gen = torch.Generator(device=self.device)
@@ -121,7 +123,9 @@ class RequestTable:
             raise CommandError(f"step schedules unknown request handle {s.handle}")
         if s.new_block_ids:
             if len(s.new_block_ids) != self.num_groups:
-                raise CommandError(f"handle {s.handle}: block ids for {len(s.new_block_ids)} groups")
+                raise CommandError(
+                    f"handle {s.handle}: block ids for {len(s.new_block_ids)} groups"
+                )
             for group, ids in zip(req.block_ids, s.new_block_ids, strict=True):
                 if s.resumed:
                     group.clear()
@@ -226,7 +230,9 @@ def build_inputs(
     n_rows = len(sched)
     n_tokens = sum(s.num_tokens for s in sched)
     if n_tokens > slot.tokens.shape[1] or n_rows > slot.rows.shape[1]:
-        raise CommandError(f"step {cmd.step_id} has {n_tokens} tokens / {n_rows} rows, over the limits")
+        raise CommandError(
+            f"step {cmd.step_id} has {n_tokens} tokens / {n_rows} rows, over the limits"
+        )
     tok, rows = slot.tokens[:, :n_tokens], slot.rows[:, :n_rows]
     meta, prefills, prefill_blocks = [], [], []
     pos, n_decode_rows, n_decode_tokens = 0, 0, 0
@@ -244,7 +250,9 @@ def build_inputs(
         else:
             prefills.append(PrefillRow(r, pos, n, s.start))
             need = -(-(s.start + n) // table.block_size)
-            prefill_blocks.append(torch.tensor(req.block_ids[0][:need], dtype=torch.int64).to(device))
+            prefill_blocks.append(
+                torch.tensor(req.block_ids[0][:need], dtype=torch.int64).to(device)
+            )
         rows[:, r] = (req.slot, int(s.decode), s.start, n)
         logprobs = req.params.logprobs if s.sample else None
         meta.append(RowMeta(s.handle, req.slot, req.gen, s.sample, s.num_spec, logprobs))

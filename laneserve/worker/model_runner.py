@@ -163,7 +163,9 @@ class ModelRunner:
         prompt_len = sb.prompt_len.index_select(0, inp.logits_sample_row)
         sampler.apply_min_tokens(logits, sb, num_known - prompt_len)
         if sb.penalties is not None:
-            sampler.apply_penalties(logits, sb, self.state.history.index_select(0, sample_slots), num_known)
+            sampler.apply_penalties(
+                logits, sb, self.state.history.index_select(0, sample_slots), num_known
+            )
         tokens = sampler.sample(logits, sb)  # [N]
         logprobs = None
         if sb.max_logprobs >= 0:

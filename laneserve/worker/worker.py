@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,8 +23,16 @@ from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.kernels import get_kernels
 from laneserve.model.llama import LlamaModel
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
-from laneserve.protocol import CacheGroupInfo, StepCommand, StepResult, WorkerReady
-from laneserve.worker.input_batch import CommandError, InputSlot, RequestTable, StepInputs, build_inputs
+from laneserve.obs.profiling import Tracer
+from laneserve.protocol import (
+    CacheGroupInfo,
+    RequestError,
+    StepCommand,
+    StepResult,
+    StepTiming,
+    WorkerReady,
+)
+from laneserve.worker.input_batch import InputSlot, RequestTable, StepInputs, build_inputs
 from laneserve.worker.model_runner import DeviceOutputs, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -38,16 +46,20 @@ class PendingStep:
 
     cmd: StepCommand
     new_prompts: list[tuple[int, torch.Tensor]]
+    releases: list[tuple[int, int]] = field(default_factory=list)  # (slot, gen)
 
 
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
+        self.tracer = Tracer(config.worker.profile_dir, role="worker")
         if config.worker.num_threads:
             torch.set_num_threads(config.worker.num_threads)
         self.device = resolve_device(config.model.device)
-        self.ckpt: Checkpoint = resolve_checkpoint(config.model.model, config.model.dtype, self.device)
+        self.ckpt: Checkpoint = resolve_checkpoint(
+            config.model.model, config.model.dtype, self.device
+        )
         arch = self.ckpt.arch
         self.kernels = get_kernels(self.device, enable=config.model.use_kernels)
         self.act_dtype = torch.float32 if self.device.type == "cpu" else self.ckpt.weight_dtype
@@ -56,13 +68,22 @@ class Worker:
         self.max_spec = spec.num_speculative_tokens if spec else 0
         store = WeightStore(self.ckpt, self.device, self.act_dtype)
         self.model = LlamaModel(
-            arch, self.kernels, store, self.device, self.act_dtype, self.max_model_len + self.max_spec + 2
+            arch,
+            self.kernels,
+            store,
+            self.device,
+            self.act_dtype,
+            self.max_model_len + self.max_spec + 2,
         )
         self.block_size = config.cache.block_size
         self.groups = self._cache_groups()
         self.num_blocks = self._num_blocks()
-        kv_caches = [self._allocate_cache(g, n) for g, n in zip(self.groups, self.num_blocks, strict=True)]
-        self.table = RequestTable(len(self.groups), self.block_size, self.device, self.max_model_len)
+        kv_caches = [
+            self._allocate_cache(g, n) for g, n in zip(self.groups, self.num_blocks, strict=True)
+        ]
+        self.table = RequestTable(
+            len(self.groups), self.block_size, self.device, self.max_model_len
+        )
         self.runner = ModelRunner(
             self.model,
             kv_caches,
@@ -121,18 +142,26 @@ class Worker:
             )
         return [n for _ in self.groups]
 
-    def _allocate_cache(self, group: CacheGroupSpec, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_cache(
+        self, group: CacheGroupSpec, n: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (n, group.block_size, group.num_kv_heads, group.head_dim)
         dtype = self.ckpt.weight_dtype
         # NOTE: torch.empty: pages are only touched when a block is first written.
         return [
-            (torch.empty(shape, dtype=dtype, device=self.device), torch.empty(shape, dtype=dtype, device=self.device))
+            (
+                torch.empty(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device),
+            )
             for _ in range(group.num_layers)
         ]
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
-            cache_groups=[CacheGroupInfo(g.name, g.kind, n) for g, n in zip(self.groups, self.num_blocks, strict=True)],
+            cache_groups=[
+                CacheGroupInfo(g.name, g.kind, n)
+                for g, n in zip(self.groups, self.num_blocks, strict=True)
+            ],
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             vocab_size=self.ckpt.arch.vocab_size,
@@ -144,60 +173,91 @@ class Worker:
             load_s=self.load_s,
         )
 
+    @property
+    def supports_async_prepare(self) -> bool:
+        """Whether step N+1 may be prepared while step N runs (a model capability)."""
+        return self.model.supports_async_prepare
+
     # -- stages --------------------------------------------------------------
     def command(self, cmd: StepCommand) -> PendingStep:
-        prompts = []
-        for new in cmd.new_requests:
-            req = self.table.register(new)
-            prompts.append((req.slot, torch.tensor(new.prompt_token_ids, dtype=torch.int64).to(self.device)))
-        return PendingStep(cmd, prompts)
+        with self.tracer.span("command", step=cmd.step_id):
+            prompts = []
+            for new in cmd.new_requests:
+                req = self.table.register(new)
+                ids = torch.tensor(new.prompt_token_ids, dtype=torch.int64).to(self.device)
+                prompts.append((req.slot, ids))
+            return PendingStep(cmd, prompts)
 
     def prepare(self, pending: PendingStep, slot: InputSlot) -> StepInputs:
         cmd = pending.cmd
-        for handle in cmd.preempted:
-            self.table.preempt(handle)
-        for s in cmd.scheduled:
-            self.table.apply_blocks(s)
-        releases = self.table.pop_finished(cmd.finished)
-        return build_inputs(
-            cmd,
-            self.table,
-            slot,
-            self.device,
-            self.ckpt.arch.vocab_size,
-            self.shared_generator,
-            pending.new_prompts,
-            releases,
-        )
+        with self.tracer.span("prepare", step=cmd.step_id):
+            # NOTE: first, so a failure below still releases them (device lane).
+            pending.releases = self.table.pop_finished(cmd.finished)
+            for handle in cmd.preempted:
+                self.table.preempt(handle)
+            for s in cmd.scheduled:
+                self.table.apply_blocks(s)
+            return build_inputs(
+                cmd,
+                self.table,
+                slot,
+                self.device,
+                self.ckpt.arch.vocab_size,
+                self.shared_generator,
+                pending.new_prompts,
+                pending.releases,
+            )
 
     def device_step(self, inp: StepInputs) -> DeviceOutputs:
+        start = time.perf_counter_ns()
         try:
-            start = time.perf_counter()
-            out = self.runner.execute(inp) if inp.rows else DeviceOutputs(inp, None, None, None, None, [])
-            out.device_s = time.perf_counter() - start
+            if not inp.rows:
+                return DeviceOutputs(inp, None, None, None, None, [])
+            out = self.runner.execute(inp)
+            out.device_s = (time.perf_counter_ns() - start) / 1e9
             return out
         finally:
+            end = time.perf_counter_ns()
+            self.tracer.add(
+                "device", "device", start, end, {"step": inp.step_id, "decode": not inp.prefills}
+            )
             # NOTE: requests finished before this step are released after every
             # earlier step ran (FIFO device lane), even if this step failed.
-            self.runner.release(inp.releases)
+            with self.tracer.span("release", "device", step=inp.step_id):
+                self.runner.release(inp.releases)
 
     def reclaim(self, out: DeviceOutputs) -> StepResult:
-        return self.runner.reclaim(out)
+        with self.tracer.span("reclaim", step=out.inputs.step_id):
+            return self.runner.reclaim(out)
+
+    def shutdown(self) -> None:
+        self.tracer.flush()
 
     def run_step(self, cmd: StepCommand) -> StepResult:
         """All four stages in this thread (the synchronous path)."""
-        slot = self.input_slots[0]
         try:
-            inp = self.prepare(self.command(cmd), slot)
-        except CommandError as e:
-            return _failed_step(cmd, str(e))
-        return self.reclaim(self.device_step(inp))
+            pending = self.command(cmd)
+        except Exception as e:
+            return failed_step(cmd, f"malformed step command: {e}")
+        try:
+            inp = self.prepare(pending, self.input_slots[0])
+        except Exception as e:
+            self.runner.release(pending.releases)
+            return failed_step(cmd, f"prepare failed: {e}")
+        try:
+            out = self.device_step(inp)
+        except Exception as e:
+            log.exception("step %d failed", cmd.step_id)
+            return failed_step(cmd, f"step failed: {e}")
+        result = self.reclaim(out)
+        result.timing = StepTiming(device_s=out.device_s)
+        return result
 
 
-def _failed_step(cmd: StepCommand, message: str) -> StepResult:
-    from laneserve.protocol import RequestError
-
-    return StepResult(step_id=cmd.step_id, errors=[RequestError(s.handle, message) for s in cmd.scheduled])
+def failed_step(cmd: StepCommand, message: str) -> StepResult:
+    return StepResult(
+        step_id=cmd.step_id, errors=[RequestError(s.handle, message) for s in cmd.scheduled]
+    )
 
 
 def _max_model_len(config: EngineConfig, ckpt: Checkpoint) -> int:
@@ -213,4 +273,3 @@ def _max_model_len(config: EngineConfig, ckpt: Checkpoint) -> int:
     if want > limit:
         raise ValueError(f"max_model_len={want} exceeds the model's limit of {limit} tokens")
     return want
-

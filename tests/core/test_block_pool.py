@@ -89,7 +89,9 @@ def test_manager_returns_none_when_full() -> None:
 
 
 def test_multiple_groups_hit_is_the_shortest() -> None:
-    kv = KVCacheManager(["full_attention", "full_attention"], [8, 8], block_size=2, enable_caching=True)
+    kv = KVCacheManager(
+        ["full_attention", "full_attention"], [8, 8], block_size=2, enable_caching=True
+    )
     r = req(1, [5, 6, 7, 8, 9])
     kv.allocate_slots(r, 5)
     r.num_computed_tokens = 5

@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from laneserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from laneserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from laneserve.core.engine_core import EngineCore
 from laneserve.core.request import Request
 from laneserve.sampling_params import SamplingParams
@@ -32,7 +38,9 @@ def make_core(
             max_num_batched_tokens=budget,
             async_scheduling=async_scheduling,
         ),
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=spec) if spec else None,
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=spec)
+        if spec
+        else None,
     )
     return EngineCore(cfg, worker), worker
 
@@ -79,7 +87,9 @@ def test_staggered_requests_match_reference(async_scheduling: bool) -> None:
     core, worker = make_core(async_scheduling=async_scheduling)
     free0 = core.kv.num_free_blocks
     ps = prompts(8)
-    arrivals = [(i * 3, p, SamplingParams(temperature=0, max_tokens=5 + i)) for i, p in enumerate(ps)]
+    arrivals = [
+        (i * 3, p, SamplingParams(temperature=0, max_tokens=5 + i)) for i, p in enumerate(ps)
+    ]
     got = drive(core, arrivals)
     for i, p in enumerate(ps):
         assert got[f"r{i}"] == reference(p, 5 + i)
@@ -141,7 +151,10 @@ def test_preemption_replays_prompt_and_outputs(async_scheduling: bool) -> None:
 def test_abort_in_flight_frees_everything(async_scheduling: bool) -> None:
     core, worker = make_core(async_scheduling=async_scheduling)
     free0 = core.kv.num_free_blocks
-    reqs = [core.add_request(f"a{i}", p, SamplingParams(max_tokens=50), ()) for i, p in enumerate(prompts(3))]
+    reqs = [
+        core.add_request(f"a{i}", p, SamplingParams(max_tokens=50), ())
+        for i, p in enumerate(prompts(3))
+    ]
     for _ in range(4):
         core.step()
     core.abort(reqs[1])
@@ -155,7 +168,7 @@ def test_abort_in_flight_frees_everything(async_scheduling: bool) -> None:
 
 
 def test_stop_token_in_flight_drops_the_extra_token() -> None:
-    core, worker = make_core(async_scheduling=True)
+    core, _ = make_core(async_scheduling=True)
     p = prompts(1, seed=11)[0]
     ref = reference(p, 30)
     stop_at = ref[5]

@@ -17,11 +17,13 @@ CHAT = [{"role": "user", "content": "What are three facts about the moon?"}]
 
 
 @functools.cache
-def hf_model():  # noqa: ANN201 - a transformers model
+def hf_model():
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     model.generation_config.eos_token_id = None
     return model.eval()
 

@@ -26,7 +26,9 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> 
     return [o.outputs[0].token_ids for o in outs]
 
 
-def check_against_hf(model_dir: Path, prompts: list[list[int]], got: list[list[int]], n: int) -> None:
+def check_against_hf(
+    model_dir: Path, prompts: list[list[int]], got: list[list[int]], n: int
+) -> None:
     for p, g in zip(prompts, got, strict=True):
         assert g == hf_greedy(model_dir, p, n), f"prompt of {len(p)} tokens diverged"
 
@@ -69,7 +71,9 @@ def test_prefix_cache_hits_match_hf(tiny_models: dict[str, Path], family: str) -
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_preemption_matches_hf(tiny_models: dict[str, Path], family: str, async_scheduling: bool) -> None:
+def test_preemption_matches_hf(
+    tiny_models: dict[str, Path], family: str, async_scheduling: bool
+) -> None:
     d = tiny_models[family]
     prompts = mixed_prompts(6, seed=5, lo=10, hi=30)
     with LLM(
@@ -99,18 +103,28 @@ def test_torch_fallback_kernels_match_hf(tiny_models: dict[str, Path]) -> None:
 def test_text_prompts_chat_and_stop_strings(tiny_models: dict[str, Path]) -> None:
     d = tiny_models["llama"]
     with LLM(str(d), dtype="float32") as llm:
-        out = llm.generate("The old lighthouse", SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+        out = llm.generate(
+            "The old lighthouse", SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
+        )[0]
         full = out.outputs[0]
         assert full.token_ids and full.finish_reason in ("length", "stop")
         assert full.text == llm.get_tokenizer().decode(full.token_ids)
         # a stop string taken from the middle of that text ends the output before it
         text = full.text
-        stop = next((text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].strip()), None)
+        stop = next(
+            (text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].strip()), None
+        )
         if stop is not None:
             cut = llm.generate(
-                "The old lighthouse", SamplingParams(temperature=0, max_tokens=16, stop=[stop]), use_tqdm=False
+                "The old lighthouse",
+                SamplingParams(temperature=0, max_tokens=16, stop=[stop]),
+                use_tqdm=False,
             )[0].outputs[0]
             assert cut.finish_reason == "stop" and cut.stop_reason == stop
             assert cut.text == text[: text.index(stop)]
-        chat = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        chat = llm.chat(
+            [{"role": "user", "content": "hello"}],
+            SamplingParams(temperature=0, max_tokens=4),
+            use_tqdm=False,
+        )
         assert len(chat[0].outputs[0].token_ids) >= 1

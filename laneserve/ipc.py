@@ -1,0 +1,186 @@
+"""The worker process: spawn, ready handshake, typed msgpack channels.
+
+The worker is a fresh interpreter (`python -m laneserve.ipc`) talking over two
+pipes, so user scripts need no `if __name__ == "__main__"` guard.
+Engine -> worker: the `EngineConfig` once, then encoded `StepCommand`s (an
+empty frame means "stop").
+Worker -> engine: `WorkerReady` | `WorkerFailed` once, then `StepResult`s in
+FIFO order. The engine polls for results and checks that the process is alive
+between polls, so a dead worker is noticed within ~50 ms instead of hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from laneserve import protocol
+from laneserve.config import EngineConfig
+from laneserve.core.engine_core import WorkerDiedError
+from laneserve.obs.profiling import Tracer
+from laneserve.protocol import StepCommand, StepResult, WorkerFailed, WorkerReady
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_READY_TIMEOUT_S = 900.0  # first start may build the CPU kernels and convert a GGUF
+
+
+def worker_main(conn_in: Connection, conn: Connection, log_level: int) -> None:
+    """Entry point of the spawned worker process."""
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s worker: %(message)s", datefmt="%H:%M:%S"
+    )
+    from laneserve.worker.lanes import Lanes
+    from laneserve.worker.worker import Worker
+
+    config = msgspec.msgpack.decode(conn_in.recv_bytes(), type=EngineConfig)
+    try:
+        worker = Worker(config)
+    except Exception as e:
+        failed = WorkerFailed(str(e), bad_input=isinstance(e, ValueError))
+        conn.send_bytes(protocol.encode(failed))
+        return
+    conn.send_bytes(protocol.encode(worker.ready()))
+    lock = threading.Lock()
+
+    def emit(result: StepResult) -> None:
+        data = protocol.encode(result)
+        with lock:
+            conn.send_bytes(data)
+
+    lanes = Lanes(worker, emit)
+    try:
+        while True:
+            try:
+                data = conn_in.recv_bytes()
+            except (EOFError, OSError):
+                break
+            if not data:
+                break
+            lanes.submit(data)
+    finally:
+        lanes.close()
+        worker.shutdown()
+
+
+class ProcessClient:
+    """WorkerClient over a spawned process."""
+
+    def __init__(self, config: EngineConfig, tracer: Tracer | None = None) -> None:
+        self.config = config
+        self.tracer = tracer or Tracer(None)
+        self._start()
+
+    def _start(self) -> None:
+        to_worker_r, to_worker_w = os.pipe()
+        from_worker_r, from_worker_w = os.pipe()
+        level = logging.getLogger("laneserve").getEffectiveLevel()
+        cmd = [
+            sys.executable,
+            "-m",
+            "laneserve.ipc",
+            str(to_worker_r),
+            str(from_worker_w),
+            str(level),
+        ]
+        self.process = subprocess.Popen(cmd, pass_fds=(to_worker_r, from_worker_w))
+        os.close(to_worker_r)
+        os.close(from_worker_w)
+        self._send = Connection(to_worker_w, readable=False)
+        self._conn = Connection(from_worker_r, writable=False)
+        self._send.send_bytes(protocol.encode(self.config))
+        msg = self._wait_ready()
+        if isinstance(msg, WorkerFailed):
+            self.process.wait(10)
+            raise (ValueError if msg.bad_input else RuntimeError)(msg.message)
+        self.ready: WorkerReady = msg
+        log.info("worker process %d ready", self.process.pid)
+
+    def _wait_ready(self) -> WorkerReady | WorkerFailed:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._conn.poll(_POLL_S):
+                try:
+                    return protocol.decode_worker_message(self._conn.recv_bytes())
+                except (EOFError, OSError):
+                    break
+            if not self._alive():
+                break
+        raise WorkerDiedError(
+            f"the worker process exited during start-up (code {self.process.poll()})"
+        )
+
+    def _alive(self) -> bool:
+        return self.process.poll() is None
+
+    def submit(self, cmd: StepCommand) -> None:
+        with self.tracer.span("encode", "engine", step=cmd.step_id):
+            data = protocol.encode(cmd)
+        try:
+            self._send.send_bytes(data)
+        except (BrokenPipeError, OSError) as e:
+            raise WorkerDiedError(self._death_message()) from e
+
+    def get_result(self) -> StepResult:
+        while True:
+            if self._conn.poll(_POLL_S):
+                try:
+                    msg = protocol.decode_worker_message(self._conn.recv_bytes())
+                except (EOFError, OSError) as e:
+                    raise WorkerDiedError(self._death_message()) from e
+                if isinstance(msg, StepResult):
+                    return msg
+                continue
+            if not self._alive():
+                raise WorkerDiedError(self._death_message())
+
+    def _death_message(self) -> str:
+        try:
+            code = self.process.wait(0.5)
+        except subprocess.TimeoutExpired:
+            code = None
+        return f"the worker process {self.process.pid} died (exit code {code})"
+
+    def restart(self) -> None:
+        self._stop(kill=True)
+        self._start()
+
+    def shutdown(self) -> None:
+        self._stop(kill=False)
+
+    def _stop(self, kill: bool) -> None:
+        if self._alive() and not kill:
+            try:
+                self._send.send_bytes(b"")
+                self.process.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self._alive():
+            self.process.kill()
+            self.process.wait(5)
+        self._send.close()
+        self._conn.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="laneserve worker process (started by the engine)")
+    parser.add_argument("in_fd", type=int)
+    parser.add_argument("out_fd", type=int)
+    parser.add_argument("log_level", type=int)
+    ns = parser.parse_args()
+    worker_main(
+        Connection(ns.in_fd, writable=False), Connection(ns.out_fd, readable=False), ns.log_level
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Per-step spans as Chrome trace events (open the JSON in Perfetto / chrome://tracing).
+
+`Tracer(None)` is a no-op: `span()` returns a shared null context and costs a
+function call. With a directory, spans are kept in memory and written by
+`flush()` to `<dir>/trace-<role>-<pid>.json`. Span names follow the lanes:
+schedule, encode, ipc, command, prepare, device, reclaim, release, detokenize.
+Timestamps come from the monotonic clock, so traces of the engine and worker
+processes line up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+
+class Tracer:
+    def __init__(self, directory: str | Path | None, role: str = "engine") -> None:
+        self.enabled = directory is not None
+        self.directory = Path(directory) if directory is not None else None
+        self.role = role
+        self._events: list[dict] = []
+        self._lock = threading.Lock()
+        self._tids: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def _record(self, name: str, lane: str, args: dict) -> Iterator[None]:
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self.add(name, lane, start, time.perf_counter_ns(), args)
+
+    def span(
+        self, name: str, lane: str | None = None, **args: object
+    ) -> contextlib.AbstractContextManager:
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return self._record(name, lane or name, args)
+
+    def add(
+        self, name: str, lane: str, start_ns: int, end_ns: int, args: dict | None = None
+    ) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            tid = self._tids.setdefault(lane, len(self._tids) + 1)
+            self._events.append(
+                {
+                    "name": name,
+                    "ph": "X",
+                    "ts": start_ns / 1000.0,
+                    "dur": (end_ns - start_ns) / 1000.0,
+                    "pid": os.getpid(),
+                    "tid": tid,
+                    "args": args or {},
+                }
+            )
+
+    def flush(self) -> Path | None:
+        if not self.enabled or self.directory is None:
+            return None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"trace-{self.role}-{os.getpid()}.json"
+        with self._lock:
+            meta = [
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": os.getpid(),
+                    "tid": tid,
+                    "args": {"name": lane},
+                }
+                for lane, tid in self._tids.items()
+            ]
+            meta.append(
+                {"name": "process_name", "ph": "M", "pid": os.getpid(), "args": {"name": self.role}}
+            )
+            data = {"traceEvents": meta + self._events, "displayTimeUnit": "ms"}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+        return path
+
+
+NULL_TRACER = Tracer(None)

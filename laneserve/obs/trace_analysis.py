@@ -1,0 +1,111 @@
+"""`laneserve profile analyze TRACE...`: device spans, exposed host gaps, overlap.
+
+For consecutive device invocations N and N+1 the *exposed host gap* is
+start(device N+1) - end(device N): time the device sat idle waiting for host
+work. *Overlapped* means prepare(N+1) had finished before device(N) ended.
+Only pairs of decode steps (no prefill rows) enter the summary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class StepSpans:
+    step: int
+    decode: bool
+    device_start: float = 0.0  # µs
+    device_end: float = 0.0
+    prepare_end: float | None = None
+
+
+@dataclass
+class Summary:
+    num_pairs: int
+    mean_device_us: float
+    median_device_us: float
+    mean_gap_us: float
+    median_gap_us: float
+    overlapped: int
+
+    def as_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+def load_events(paths: list[str | Path]) -> list[dict]:
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files += sorted(p.glob("trace-*.json")) if p.is_dir() else [p]
+    events = []
+    for f in files:
+        events += [e for e in json.loads(f.read_text())["traceEvents"] if e.get("ph") == "X"]
+    return events
+
+
+def step_spans(events: list[dict]) -> list[StepSpans]:
+    steps: dict[int, StepSpans] = {}
+    for e in events:
+        step = e.get("args", {}).get("step")
+        if step is None:
+            continue
+        s = steps.setdefault(step, StepSpans(step, False))
+        if e["name"] == "device":
+            s.device_start, s.device_end = e["ts"], e["ts"] + e["dur"]
+            s.decode = bool(e["args"].get("decode", False))
+        elif e["name"] == "prepare":
+            s.prepare_end = e["ts"] + e["dur"]
+    return sorted((s for s in steps.values() if s.device_end), key=lambda s: s.device_start)
+
+
+def pairs(steps: list[StepSpans]) -> list[tuple[StepSpans, StepSpans, float, bool]]:
+    out = []
+    for a, b in itertools.pairwise(steps):
+        if not (a.decode and b.decode):
+            continue
+        gap = max(0.0, b.device_start - a.device_end)
+        overlapped = b.prepare_end is not None and b.prepare_end <= a.device_end
+        out.append((a, b, gap, overlapped))
+    return out
+
+
+def summarize(steps: list[StepSpans]) -> Summary | None:
+    ps = pairs(steps)
+    if not ps:
+        return None
+    dev = [a.device_end - a.device_start for a, _, _, _ in ps]
+    gaps = [g for _, _, g, _ in ps]
+    return Summary(
+        num_pairs=len(ps),
+        mean_device_us=statistics.fmean(dev),
+        median_device_us=statistics.median(dev),
+        mean_gap_us=statistics.fmean(gaps),
+        median_gap_us=statistics.median(gaps),
+        overlapped=sum(1 for *_, o in ps if o),
+    )
+
+
+def report(paths: list[str | Path], max_rows: int = 20) -> str:
+    steps = step_spans(load_events(paths))
+    lines = ["step  device_ms  gap_us  prepare(N+1)<=end(device N)"]
+    ps = pairs(steps)
+    for a, b, gap, overlapped in ps[:max_rows]:
+        lines.append(
+            f"{b.step:5d}  {(a.device_end - a.device_start) / 1000:9.2f}  {gap:6.0f}  {'yes' if overlapped else 'no'}"
+        )
+    if len(ps) > max_rows:
+        lines.append(f"... {len(ps) - max_rows} more decode steps")
+    s = summarize(steps)
+    if s is None:
+        lines.append("no consecutive decode steps in the trace")
+    else:
+        lines.append(
+            f"summary: {s.num_pairs} decode step pairs, device mean {s.mean_device_us / 1000:.2f} ms "
+            f"(median {s.median_device_us / 1000:.2f}), exposed gap mean {s.mean_gap_us:.0f} us "
+            f"(median {s.median_gap_us:.0f}), overlapped {s.overlapped}/{s.num_pairs}"
+        )
+    return "\n".join(lines)
