@@ -85,26 +85,46 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, default_worker_mode: str = "thread") -> None:
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+        g.add_argument(
+            "--model",
+            default=None,
+            help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        )
         g.add_argument("--tokenizer", default=None)
         g.add_argument("--dtype", default="auto", choices=DTYPES)
         g.add_argument("--device", default="auto", choices=DEVICES)
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--block-size", type=int, default=16)
-        g.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache budget in GiB (default 2)")
+        g.add_argument(
+            "--kv-cache-memory", type=float, default=None, help="KV cache budget in GiB (default 2)"
+        )
         g.add_argument("--num-kv-blocks", type=int, default=None, help="explicit KV block count")
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument(
+            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+        )
         g.add_argument("--max-num-seqs", type=int, default=64)
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--max-queued-requests", type=int, default=None)
-        g.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'')
+        g.add_argument(
+            "--speculative-config",
+            default=None,
+            help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'',
+        )
         g.add_argument("--worker-mode", default=default_worker_mode, choices=("thread", "process"))
         g.add_argument("--restart-worker", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--profile-dir", default=None, help="write Chrome trace-event JSON per run here")
+        g.add_argument(
+            "--profile-dir", default=None, help="write Chrome trace-event JSON per run here"
+        )
         g.add_argument("--num-threads", type=int, default=None, help="torch threads in the worker")
-        g.add_argument("--kernels", dest="use_kernels", action=argparse.BooleanOptionalAction, default=True, help="CPU C++ kernels")
+        g.add_argument(
+            "--kernels",
+            dest="use_kernels",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="CPU C++ kernels",
+        )
 
     @staticmethod
     def from_cli(ns: argparse.Namespace) -> EngineArgs:

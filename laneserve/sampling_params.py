@@ -47,7 +47,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         self._validate()
 
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(
+            isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"
+        )
         _check(
             _is_number(self.temperature) and 0.0 <= self.temperature <= 100.0,
             f"temperature must be in [0, 100], got {self.temperature!r}",

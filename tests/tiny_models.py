@@ -141,3 +141,52 @@ def _cached_model(path: str):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     return model
+
+
+def build_bigram_model(out: Path, family: str = "llama", seed: int = 0) -> Path:
+    """A 1-layer model whose attention output is zero: the next token depends
+    only on the current one. Embedding rows have RMS 1, so an MTP head can copy
+    its layer exactly (see `build_exact_mtp_head`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, 320)
+    common = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.3,
+        bos_token_id=0, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    cfg, cls = (
+        (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    )
+    torch.manual_seed(seed)
+    model = cls(cfg(**common)).float().eval()
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.copy_(emb / emb.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12))
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(str(out))
+    return out
+
+
+def build_exact_mtp_head(model_dir: Path, out: Path, draft_vocab: list[int] | None = None) -> Path:
+    """MTP weights that reproduce a bigram model's next-next token (100% acceptance)."""
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(model_dir / "model.safetensors"))
+    h = w["model.embed_tokens.weight"].shape[1]
+    eps = 1e-6
+    t = {
+        "model.layers.1.enorm.weight": torch.full((h,), (1.0 + eps) ** 0.5),
+        "model.layers.1.hnorm.weight": torch.ones(h),
+        "model.layers.1.eh_proj.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1),
+    }
+    for name, value in w.items():
+        if name.startswith("model.layers.0."):
+            t[name.replace("model.layers.0.", "model.layers.1.")] = value
+    if draft_vocab is not None:
+        t["draft_vocab"] = torch.tensor(draft_vocab, dtype=torch.int64)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(out), metadata={"hidden_size": str(h)})
+    return out

@@ -6,10 +6,16 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from laneserve.entrypoints import bench_offline, profile_cmd
+    from laneserve.entrypoints import bench_offline, bench_serve, profile_cmd, serve
+    from laneserve.spec_decode import train_mtp
 
-    bench = sub.add_parser("bench", help="benchmarks: offline (vs HF transformers)")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: offline (vs HF transformers), serve (any OpenAI server)"
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     bench_sub.required = True
     bench_offline.add_parser(bench_sub)
+    bench_serve.add_parser(bench_sub)
     profile_cmd.add_parser(sub)
+    train_mtp.add_parser(sub)
+    serve.add_parser(sub)

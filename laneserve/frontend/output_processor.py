@@ -105,12 +105,12 @@ class OutputProcessor:
     def _logprobs(self, state: RequestState, raw: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
         if state.logprobs is None:
             return []
-        dec = self.tokenizer.decode
+        dec = self.tokenizer.token_text
         out = []
         for lp in raw:
-            entry = {lp.token_id: Logprob(lp.logprob, lp.rank, dec([lp.token_id], False))}
+            entry = {lp.token_id: Logprob(lp.logprob, lp.rank, dec(lp.token_id))}
             for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
-                entry.setdefault(tid, Logprob(value, rank, dec([tid], False)))
+                entry.setdefault(tid, Logprob(value, rank, dec(tid)))
             out.append(entry)
             state.cumulative_logprob = (state.cumulative_logprob or 0.0) + lp.logprob
         state.logprobs.extend(out)

@@ -31,6 +31,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text; a token that is only part of a UTF-8 character is
+        shown as its raw vocabulary entry (unique, unlike U+FFFD)."""
+        text = self.hf.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            raw = self.hf.convert_ids_to_tokens(token_id)
+            return raw if isinstance(raw, str) else text
+        return text
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True
     ) -> list[int]:

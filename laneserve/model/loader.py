@@ -37,6 +37,7 @@ class Checkpoint:
     source: str  # what the user asked for (for messages and /v1/models)
     arch: ArchConfig
     weight_dtype: torch.dtype
+    known_name: str | None = None  # set for the embedded default model
 
 
 def default_model_path() -> Path:
@@ -90,7 +91,8 @@ def resolve_checkpoint(model: str | None, dtype: str, device: torch.device) -> C
         directory = path
     arch = ArchConfig.from_hf(_read_config(directory))
     weight_dtype = resolve_dtype(dtype, arch.torch_dtype, device)
-    return Checkpoint(directory, str(model or path), arch, weight_dtype)
+    known = DEFAULT_MODEL_NAME if path.name == DEFAULT_MODEL_FILE else None
+    return Checkpoint(directory, str(model or path), arch, weight_dtype, known)
 
 
 def _read_config(directory: Path) -> dict:
@@ -114,19 +116,31 @@ class WeightStore:
     weight dtype.
     """
 
-    def __init__(self, ckpt: Checkpoint, device: torch.device, act_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        device: torch.device,
+        act_dtype: torch.dtype,
+        file: Path | None = None,  # one separate file (e.g. MTP draft weights)
+    ) -> None:
         from safetensors import safe_open
 
         self.ckpt = ckpt
         self.device = device
         self.act_dtype = act_dtype
+        self.directory = file.parent if file is not None else ckpt.directory
         self._files: dict[str, object] = {}
-        self._index = self._build_index(ckpt.directory)
-        for file in sorted(set(self._index.values())):
+        if file is not None:
+            if not file.is_file():
+                raise ModelLoadError(f"weights file {str(file)!r} does not exist")
+            self._index = self._index_files(file.parent, [file.name])
+        else:
+            self._index = self._build_index(ckpt.directory)
+        for file_name in sorted(set(self._index.values())):
             try:
-                self._files[file] = safe_open(str(ckpt.directory / file), framework="pt")
+                self._files[file_name] = safe_open(str(self.directory / file_name), framework="pt")
             except Exception as e:
-                raise ModelLoadError(f"cannot open {ckpt.directory / file}: {e}") from None
+                raise ModelLoadError(f"cannot open {self.directory / file_name}: {e}") from None
         self.expected = _expected_shapes(ckpt.arch)
         self.loaded = 0
         self._start = time.perf_counter()
@@ -139,6 +153,10 @@ class WeightStore:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{directory} has no *.safetensors weights")
+        return WeightStore._index_files(directory, files)
+
+    @staticmethod
+    def _index_files(directory: Path, files: list[str]) -> dict[str, str]:
         from safetensors import safe_open
 
         index = {}
@@ -153,12 +171,21 @@ class WeightStore:
     def has(self, name: str) -> bool:
         return name in self._index
 
+    def metadata(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for f in self._files.values():
+            out.update(f.metadata() or {})
+        return out
+
+    def raw(self, name: str) -> torch.Tensor:
+        """A tensor as stored (no dtype change), e.g. integer index tensors."""
+        return self._files[self._index[name]].get_tensor(name).to(self.device)
+
     def __call__(self, name: str) -> torch.Tensor:
         file = self._index.get(name)
         if file is None:
             raise ModelLoadError(
-                f"tensor {name!r} is missing from {self.ckpt.directory} "
-                f"({self.ckpt.arch.architecture})"
+                f"tensor {name!r} is missing from {self.directory} ({self.ckpt.arch.architecture})"
             )
         try:
             tensor = self._files[file].get_tensor(name)
@@ -183,7 +210,10 @@ def _expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, h)
-    for i in range(arch.num_layers):
+    mtp = f"model.layers.{arch.num_layers}"
+    shapes[f"{mtp}.eh_proj.weight"] = (h, 2 * h)
+    shapes[f"{mtp}.enorm.weight"] = shapes[f"{mtp}.hnorm.weight"] = (h,)
+    for i in range(arch.num_layers + 1):  # the last one is the MTP head's decoder layer
         p = f"model.layers.{i}"
         shapes.update(
             {

@@ -56,6 +56,30 @@ class SamplingBatch:
     max_logprobs: int  # -1: nobody asked
     seeded: bool
 
+    def expand(self, rows: list[int], index: torch.Tensor) -> SamplingBatch:
+        """One entry per logits row (speculative rows have 1 + k of them)."""
+
+        def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, index)
+
+        return SamplingBatch(
+            temperature=sel(self.temperature),
+            greedy=sel(self.greedy),
+            all_greedy=self.all_greedy,
+            any_greedy=self.any_greedy,
+            top_k=sel(self.top_k),
+            top_p=sel(self.top_p),
+            min_p=sel(self.min_p),
+            generators=[self.generators[i] for i in rows],
+            shared_generator=self.shared_generator,
+            penalties=None,  # NOTE: requests with penalties are never speculative
+            prompt_len=sel(self.prompt_len),
+            min_tokens=sel(self.min_tokens),
+            banned_until_min=sel(self.banned_until_min),
+            max_logprobs=self.max_logprobs,
+            seeded=self.seeded,
+        )
+
 
 def prepare(
     rows: list[RowSampling], vocab_size: int, device: torch.device, shared: torch.Generator
@@ -87,7 +111,8 @@ def prepare(
     min_tokens = banned = None
     if any(p.min_tokens for p in ps):
         ban = [
-            (r.eos_token_ids if not r.params.ignore_eos else []) + list(r.params.stop_token_ids or [])
+            (r.eos_token_ids if not r.params.ignore_eos else [])
+            + list(r.params.stop_token_ids or [])
             for r in rows
         ]
         width = max(1, max(len(b) for b in ban))
@@ -170,7 +195,9 @@ def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  
     return probs
 
 
-def exponential_noise(batch: SamplingBatch, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+def exponential_noise(
+    batch: SamplingBatch, shape: tuple[int, int], device: torch.device
+) -> torch.Tensor:
     """E ~ Exp(1) per row; seeded rows draw from their own generator."""
     q = torch.empty(shape, device=device)
     if not batch.seeded:
@@ -202,7 +229,9 @@ def compute_logprobs(
     logp = torch.log_softmax(raw_logits.float(), dim=-1)
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     rank = (logp > chosen[:, None]).sum(dim=-1) + 1
-    top_lp, top_ids = logp.topk(max(num_top, 0), dim=-1) if num_top > 0 else (logp[:, :0], tokens[:, None][:, :0])
+    top_lp, top_ids = (
+        logp.topk(max(num_top, 0), dim=-1) if num_top > 0 else (logp[:, :0], tokens[:, None][:, :0])
+    )
     return chosen, rank, top_ids, top_lp
 
 

@@ -177,7 +177,7 @@ class StepInputs:
     num_decode_rows: int
     num_decode_tokens: int
     prefills: list[PrefillRow]
-    prefill_block_ids: list[torch.Tensor]  # per prefill row, group 0 blocks (int64)
+    prefill_block_ids: list[list[torch.Tensor]]  # per group, per prefill row (int64)
     new_prompts: list[tuple[int, torch.Tensor]]  # (slot, prompt ids) to write first
     releases: list[tuple[int, int]]  # (slot, gen) released after this step
     # device tensors, one entry per row / token / logits row
@@ -195,7 +195,10 @@ class StepInputs:
     logits_token_idx: torch.Tensor  # [N] int64 token rows to compute logits for
     logits_sample_row: torch.Tensor  # [N] int64 index into sample rows
     logits_offset: torch.Tensor  # [N] int64 0..k within the sampling row
+    logits_sample_row_host: list[int]
+    sample_logit_start: torch.Tensor  # [Rs] int64 first logits row of each sampling row
     max_spec: int
+    max_len: int  # host upper bound on every row's length after this step
     sampling: SamplingBatch | None
     any_spec: bool
 
@@ -223,6 +226,8 @@ def build_inputs(
     shared_generator: torch.Generator,
     new_prompts: list[tuple[int, torch.Tensor]],
     releases: list[tuple[int, int]],
+    scratch_blocks: list[int],
+    pad_cols: int,
 ) -> StepInputs:
     order = sorted(range(len(cmd.scheduled)), key=lambda i: not cmd.scheduled[i].decode)
     sched = [cmd.scheduled[i] for i in order]
@@ -234,7 +239,8 @@ def build_inputs(
             f"step {cmd.step_id} has {n_tokens} tokens / {n_rows} rows, over the limits"
         )
     tok, rows = slot.tokens[:, :n_tokens], slot.rows[:, :n_rows]
-    meta, prefills, prefill_blocks = [], [], []
+    meta, prefills = [], []
+    prefill_blocks: list[list[torch.Tensor]] = [[] for _ in range(table.num_groups)]
     pos, n_decode_rows, n_decode_tokens = 0, 0, 0
     dec_qsl = [0]
     for r, (s, req) in enumerate(zip(sched, reqs, strict=True)):
@@ -250,20 +256,20 @@ def build_inputs(
         else:
             prefills.append(PrefillRow(r, pos, n, s.start))
             need = -(-(s.start + n) // table.block_size)
-            prefill_blocks.append(
-                torch.tensor(req.block_ids[0][:need], dtype=torch.int64).to(device)
-            )
+            for g, ids in enumerate(req.block_ids):
+                prefill_blocks[g].append(torch.tensor(ids[:need], dtype=torch.int64).to(device))
         rows[:, r] = (req.slot, int(s.decode), s.start, n)
         logprobs = req.params.logprobs if s.sample else None
         meta.append(RowMeta(s.handle, req.slot, req.gen, s.sample, s.num_spec, logprobs))
         pos += n
     sample_idx = [r for r, s in enumerate(sched) if s.sample]
-    logit_tok, logit_row, logit_off = [], [], []
+    logit_tok, logit_row, logit_off, logit_start = [], [], [], []
     starts = np.concatenate([[0], np.cumsum([s.num_tokens for s in sched])])
     for i, r in enumerate(sample_idx):
         s = sched[r]
         k = s.num_spec if s.decode else 0
         end = int(starts[r + 1])
+        logit_start.append(len(logit_tok))
         logit_tok.extend(range(end - 1 - k, end))
         logit_row.extend([i] * (k + 1))
         logit_off.extend(range(k + 1))
@@ -278,6 +284,7 @@ def build_inputs(
         return t.to(device=device, dtype=dtype, non_blocking=True)
 
     max_spec = max((s.num_spec for s in sched), default=0)
+    max_len = max((s.start + s.num_tokens + 1 for s in sched), default=1)
     return StepInputs(
         step_id=cmd.step_id,
         slot_index=slot.index,
@@ -293,7 +300,10 @@ def build_inputs(
         row_decode=dev(rows[1], torch.bool),
         row_start=dev(rows[2]),
         row_qlen=dev(rows[3]),
-        block_tables=[_block_table(reqs, g, device) for g in range(table.num_groups)],
+        block_tables=[
+            _block_table(reqs, g, scratch_blocks[g], pad_cols, device)
+            for g in range(table.num_groups)
+        ],
         token_row=dev(tok[0]),
         token_offset=dev(tok[1]),
         token_is_draft=dev(tok[2], torch.bool),
@@ -303,15 +313,21 @@ def build_inputs(
         logits_token_idx=dev(logit_tok),
         logits_sample_row=dev(logit_row),
         logits_offset=dev(logit_off),
+        logits_sample_row_host=logit_row,
+        sample_logit_start=dev(logit_start),
         max_spec=max_spec,
+        max_len=max_len,
         sampling=sampling,
         any_spec=max_spec > 0,
     )
 
 
-def _block_table(reqs: list[WorkerRequest], group: int, device: torch.device) -> torch.Tensor:
-    width = max((len(r.block_ids[group]) for r in reqs), default=1) or 1
-    table = np.zeros((len(reqs), width), dtype=np.int64)
+def _block_table(
+    reqs: list[WorkerRequest], group: int, scratch: int, pad_cols: int, device: torch.device
+) -> torch.Tensor:
+    """[R, max_blocks + pad_cols]; padding points at the group's scratch block."""
+    width = max((len(r.block_ids[group]) for r in reqs), default=0) + pad_cols
+    table = np.full((len(reqs), width), scratch, dtype=np.int64)
     for i, r in enumerate(reqs):
         ids = r.block_ids[group]
         table[i, : len(ids)] = ids

@@ -15,6 +15,7 @@ drafts. Nothing in `execute` reads a device value back to the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +23,11 @@ import torch
 from laneserve.model.attention import AttentionMetadata, PrefillSpan
 from laneserve.model.llama import LlamaModel
 from laneserve.protocol import RequestError, RequestOutput, StepResult, TokenLogprobs
-from laneserve.sample import sampler
+from laneserve.sample import rejection_sampler, sampler
+from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
 from laneserve.worker.input_batch import SlotTable, StepInputs
+
+Proposer = NgramProposer | MtpProposer
 
 
 class DeviceState:
@@ -62,9 +66,22 @@ class DeviceOutputs:
     tokens: torch.Tensor | None  # [Rs, 1 + max_spec] emitted tokens (padded)
     num_emitted: torch.Tensor | None  # [Rs]
     logprobs: tuple[torch.Tensor, ...] | None  # chosen, rank, top ids, top lps per logits row
-    num_drafts: torch.Tensor | None  # [Rs] drafts verified
+    num_drafts: torch.Tensor | None  # [Rs] real drafts verified (None: no speculation)
     errors: list[RequestError]
     device_s: float = 0.0
+
+
+@dataclass
+class _StepView:
+    """What the proposer reads about the step that just ran (see spec_decode)."""
+
+    slots: torch.Tensor
+    last_index: torch.Tensor
+    positions: torch.Tensor
+    hidden: torch.Tensor
+    meta_mtp: AttentionMetadata | None
+    mtp_table: torch.Tensor | None
+    max_len: int
 
 
 class ModelRunner:
@@ -78,6 +95,8 @@ class ModelRunner:
         max_model_len: int,
         max_spec: int,
         vocab_size: int,
+        proposer: Proposer | None = None,
+        mtp_group: int | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -85,7 +104,14 @@ class ModelRunner:
         self.slots = slots
         self.device = device
         self.vocab_size = vocab_size
+        self.proposer = proposer
+        self.mtp_group = mtp_group
         self.state = DeviceState(device, max_model_len + max_spec + 2, max_spec)
+        # Optional tap on every step's (inputs, ids, positions, hidden): the MTP
+        # trainer collects the target's hidden states with it.
+        self.capture: (
+            Callable[[StepInputs, torch.Tensor, torch.Tensor, torch.Tensor], None] | None
+        ) = None
 
     # -- device lane -------------------------------------------------------
     def execute(self, inp: StepInputs) -> DeviceOutputs:
@@ -94,14 +120,20 @@ class ModelRunner:
         if errors:
             return DeviceOutputs(inp, None, None, None, None, errors)
         self._write_prompts(inp)
-        ids, positions, meta = self._resolve_inputs(inp)
+        ids, positions, start = self._resolve_inputs(inp)
+        meta = self._metadata(inp, positions, start, 0)
         hidden, _ = self.model.forward(ids, positions, meta, self.kv_caches[0])
-        if inp.sampling is None:
-            return DeviceOutputs(inp, None, None, None, None, [])
-        logits = self.model.compute_logits(hidden.index_select(0, inp.logits_token_idx))
-        tokens, num_emitted, logprobs = self._sample(inp, logits, positions)
-        self._commit(inp, tokens, num_emitted)
-        return DeviceOutputs(inp, tokens, num_emitted, logprobs, None, [])
+        if self.capture is not None:
+            self.capture(inp, ids, positions, hidden)
+        tokens = num_emitted = logprobs = num_valid = num_accepted = None
+        if inp.sampling is not None:
+            logits = self.model.compute_logits(hidden.index_select(0, inp.logits_token_idx))
+            tokens, num_accepted, num_valid, logprobs = self._sample(inp, logits, positions)
+            num_emitted = num_accepted + 1
+            self._commit(inp, tokens, num_emitted)
+        if self.proposer is not None:
+            self._propose(inp, hidden, positions, start, num_accepted)
+        return DeviceOutputs(inp, tokens, num_emitted, logprobs, num_valid, [])
 
     def release(self, pairs: list[tuple[int, int]]) -> None:
         for slot, gen in pairs:
@@ -123,10 +155,9 @@ class ModelRunner:
             st.committed[slot] = ids.shape[0]
             st.num_drafts[slot] = 0
 
-    def _resolve_inputs(
-        self, inp: StepInputs
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        st, bs = self.state, self.block_size
+    def _resolve_inputs(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids [T], positions [T] and per-row start [R], from the committed state."""
+        st = self.state
         committed = st.committed.index_select(0, inp.row_slot)  # [R]
         start = torch.where(inp.row_decode, committed - 1, inp.row_start)
         positions = start.index_select(0, inp.token_row) + inp.token_offset  # [T]
@@ -135,43 +166,59 @@ class ModelRunner:
         if inp.any_spec:
             draft = st.drafts[tok_slot, (inp.token_offset - 1).clamp(min=0)]
             ids = torch.where(inp.token_is_draft, draft, ids)
-        table = inp.block_tables[0]
+        return ids, positions, start
+
+    def _metadata(
+        self, inp: StepInputs, positions: torch.Tensor, start: torch.Tensor, group: int
+    ) -> AttentionMetadata:
+        bs, table = self.block_size, inp.block_tables[group]
         block = table[inp.token_row, torch.div(positions, bs, rounding_mode="floor")]
-        slot_mapping = block * bs + positions % bs
         nd = inp.num_decode_rows
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
+        return AttentionMetadata(
+            slot_mapping=block * bs + positions % bs,
             num_decode_tokens=inp.num_decode_tokens,
             decode_block_tables=table[:nd].to(torch.int32) if nd else None,
             decode_seq_lens=(start[:nd] + inp.row_qlen[:nd]).to(torch.int32) if nd else None,
             decode_query_start_loc=inp.decode_query_start_loc if nd else None,
             prefills=tuple(
                 PrefillSpan(p.token_start, p.num_tokens, p.context_len, blocks)
-                for p, blocks in zip(inp.prefills, inp.prefill_block_ids, strict=True)
+                for p, blocks in zip(inp.prefills, inp.prefill_block_ids[group], strict=True)
             ),
         )
-        return ids, positions, meta
 
     def _sample(
         self, inp: StepInputs, logits: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+        """(tokens [Rs, 1 + k], accepted [Rs], valid drafts [Rs] | None, logprobs)."""
         sb = inp.sampling
         assert sb is not None
         raw = logits.clone() if sb.max_logprobs >= 0 else logits
-        sample_slots = inp.row_slot.index_select(0, inp.sample_rows)  # [Rs]
         num_known = positions.index_select(0, inp.logits_token_idx) + 1  # [N]
         prompt_len = sb.prompt_len.index_select(0, inp.logits_sample_row)
-        sampler.apply_min_tokens(logits, sb, num_known - prompt_len)
-        if sb.penalties is not None:
-            sampler.apply_penalties(
-                logits, sb, self.state.history.index_select(0, sample_slots), num_known
+        if inp.any_spec:
+            flat = sb.expand(inp.logits_sample_row_host, inp.logits_sample_row)
+            sampler.apply_min_tokens(logits, flat, num_known - prompt_len)
+            slots = inp.row_slot.index_select(0, inp.sample_rows)
+            num_valid = torch.minimum(
+                self.state.num_drafts.index_select(0, slots), inp.sample_num_spec
             )
-        tokens = sampler.sample(logits, sb)  # [N]
+            drafts = self.state.drafts.index_select(0, slots)[:, : inp.max_spec]
+            tokens, accepted = rejection_sampler.verify(
+                logits, flat, inp.logits_sample_row, inp.logits_offset, drafts, num_valid
+            )
+        else:
+            sampler.apply_min_tokens(logits, sb, num_known - prompt_len)
+            if sb.penalties is not None:
+                slots = inp.row_slot.index_select(0, inp.sample_rows)
+                hist = self.state.history.index_select(0, slots)
+                sampler.apply_penalties(logits, sb, hist, num_known)
+            tokens = sampler.sample(logits, sb)[:, None]
+            accepted, num_valid = torch.zeros_like(tokens[:, 0]), None
         logprobs = None
         if sb.max_logprobs >= 0:
-            logprobs = sampler.compute_logprobs(raw, tokens, sb.max_logprobs)
-        num_emitted = torch.ones_like(tokens)
-        return tokens[:, None], num_emitted, logprobs
+            chosen = tokens[inp.logits_sample_row, inp.logits_offset]
+            logprobs = sampler.compute_logprobs(raw, chosen, sb.max_logprobs)
+        return tokens, accepted, num_valid, logprobs
 
     def _commit(self, inp: StepInputs, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
         st = self.state
@@ -183,6 +230,29 @@ class ModelRunner:
         st.history[slots[:, None], cols.clamp(max=st.width - 1)] = tokens
         st.committed.index_copy_(0, slots, base + num_emitted)
 
+    def _propose(
+        self,
+        inp: StepInputs,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        start: torch.Tensor,
+        accepted: torch.Tensor | None,
+    ) -> None:
+        st = self.state
+        tok_slot = inp.row_slot.index_select(0, inp.token_row)
+        # t[i+1] for every position i: the committed history (accepted tokens
+        # and this step's samples are already in it).
+        next_tokens = st.history[tok_slot, (positions + 1).clamp(max=st.width - 1)]
+        slots = inp.row_slot.index_select(0, inp.sample_rows)
+        last = inp.sample_logit_start + (accepted if accepted is not None else 0)
+        last_index = inp.logits_token_idx.index_select(0, last) if accepted is not None else last
+        meta_mtp = mtp_table = None
+        if self.mtp_group is not None:
+            meta_mtp = self._metadata(inp, positions, start, self.mtp_group)
+            mtp_table = inp.block_tables[self.mtp_group].index_select(0, inp.sample_rows)
+        view = _StepView(slots, last_index, positions, hidden, meta_mtp, mtp_table, inp.max_len)
+        self.proposer.propose(st, view, next_tokens)
+
     # -- output lane -------------------------------------------------------
     def reclaim(self, out: DeviceOutputs) -> StepResult:
         inp = out.inputs
@@ -193,12 +263,14 @@ class ModelRunner:
         lp = _logprobs_lists(out) if out.logprobs is not None else None
         sampled = [r for r in inp.rows if r.sample]
         outputs = []
+        drafts = out.num_drafts.tolist() if out.num_drafts is not None else None
         for i, row in enumerate(sampled):
             toks = tokens[i][: emitted[i]]
             logprobs = []
             if lp is not None and row.num_logprobs is not None:
                 logprobs = [_trim(lp[(i, j)], row.num_logprobs) for j in range(len(toks))]
-            outputs.append(RequestOutput(row.handle, toks, logprobs))
+            nd = drafts[i] if drafts is not None else 0
+            outputs.append(RequestOutput(row.handle, toks, logprobs, nd, len(toks) - 1))
         return StepResult(step_id=inp.step_id, outputs=outputs)
 
 

@@ -23,6 +23,7 @@ from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.kernels import get_kernels
 from laneserve.model.llama import LlamaModel
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
+from laneserve.model.mtp import load_mtp_head
 from laneserve.obs.profiling import Tracer
 from laneserve.protocol import (
     CacheGroupInfo,
@@ -32,6 +33,7 @@ from laneserve.protocol import (
     StepTiming,
     WorkerReady,
 )
+from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
 from laneserve.worker.input_batch import InputSlot, RequestTable, StepInputs, build_inputs
 from laneserve.worker.model_runner import DeviceOutputs, ModelRunner
 
@@ -75,6 +77,11 @@ class Worker:
             self.act_dtype,
             self.max_model_len + self.max_spec + 2,
         )
+        self.mtp = None
+        if spec is not None and spec.method == "mtp":
+            self.mtp = load_mtp_head(
+                store, self.model, self.kernels, spec.draft_weights, self.ckpt.known_name
+            )
         self.block_size = config.cache.block_size
         self.groups = self._cache_groups()
         self.num_blocks = self._num_blocks()
@@ -93,6 +100,8 @@ class Worker:
             self.max_model_len,
             self.max_spec,
             arch.vocab_size,
+            proposer=self._proposer(kv_caches),
+            mtp_group=1 if self.mtp is not None else None,
         )
         sched = config.scheduler
         max_rows = sched.max_num_seqs
@@ -113,18 +122,35 @@ class Worker:
 
     # -- set-up ------------------------------------------------------------
     def _cache_groups(self) -> list[CacheGroupSpec]:
+        """The model's cache groups: its layers, plus the MTP layer's own cache."""
         arch = self.ckpt.arch
-        return [
-            CacheGroupSpec(
-                name="main",
-                kind="full_attention",
-                block_size=self.block_size,
-                num_layers=arch.num_layers,
-                num_kv_heads=arch.num_kv_heads,
-                head_dim=arch.head_dim,
-                dtype_bytes=torch.empty(0, dtype=self.ckpt.weight_dtype).element_size(),
+        dtype_bytes = torch.empty(0, dtype=self.ckpt.weight_dtype).element_size()
+
+        def group(name: str, layers: int) -> CacheGroupSpec:
+            return CacheGroupSpec(
+                name,
+                "full_attention",
+                self.block_size,
+                layers,
+                arch.num_kv_heads,
+                arch.head_dim,
+                dtype_bytes,
             )
-        ]
+
+        groups = [group("main", arch.num_layers)]
+        if self.mtp is not None:
+            groups.append(group("mtp", 1))
+        return groups
+
+    def _proposer(self, kv_caches: list) -> NgramProposer | MtpProposer | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+        return MtpProposer(self.mtp, spec.num_speculative_tokens, kv_caches[1][0], self.block_size)
 
     def _num_blocks(self) -> list[int]:
         cache = self.config.cache
@@ -206,6 +232,8 @@ class Worker:
                 self.shared_generator,
                 pending.new_prompts,
                 pending.releases,
+                self.num_blocks,  # per group: the scratch block id
+                self.max_spec + 1,
             )
 
     def device_step(self, inp: StepInputs) -> DeviceOutputs:

@@ -1,0 +1,220 @@
+"""OpenAI response bodies: completion / chat objects, stream chunks, usage, errors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from laneserve.frontend.output_processor import Delta
+from laneserve.outputs import Logprob
+
+
+@dataclass(frozen=True)
+class Context:
+    request_id: str
+    model: str
+    created: int
+    chat: bool
+    body: object  # CompletionRequest | ChatCompletionRequest
+    prompts: list[tuple[list[int], str | None]]
+    n: int
+
+    @property
+    def object_name(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Accumulator:
+    """Collects deltas per choice (choice index = prompt index * n + sample index)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.choices = {i: Choice(i) for i in range(len(ctx.prompts) * ctx.n)}
+        self.error: str | None = None
+        self.echo = bool(getattr(ctx.body, "echo", False))
+        self.num_logprobs = _requested_logprobs(ctx)
+
+    def _choice(self, prompt_index: int, d: Delta) -> Choice:
+        return self.choices[prompt_index * self.ctx.n + d.state.index]
+
+    def add(self, prompt_index: int, d: Delta) -> Choice:
+        c = self._choice(prompt_index, d)
+        c.text += d.text
+        c.num_tokens += len(d.token_ids)
+        c.logprobs += d.logprobs
+        if d.finished:
+            c.finish_reason = d.state.finish_reason
+            if d.state.error:
+                self.error = d.state.error
+        return c
+
+    # -- whole responses -----------------------------------------------------
+    def response(self) -> dict:
+        ctx = self.ctx
+        choices = [self._choice_body(c) for c in self.choices.values()]
+        return {
+            "id": ctx.request_id,
+            "object": ctx.object_name,
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
+
+    def _choice_body(self, c: Choice) -> dict:
+        lp = self._logprobs(c.logprobs) if self.num_logprobs is not None else None
+        if self.ctx.chat:
+            return {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": lp,
+                "finish_reason": _reason(c.finish_reason),
+            }
+        prompt_text = self._prompt_text(c.index) if self.echo else ""
+        return {
+            "index": c.index,
+            "text": prompt_text + c.text,
+            "logprobs": lp,
+            "finish_reason": _reason(c.finish_reason),
+        }
+
+    def usage(self) -> dict:
+        prompt = sum(len(ids) for ids, _ in self.ctx.prompts)
+        completion = sum(c.num_tokens for c in self.choices.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def _prompt_text(self, index: int) -> str:
+        _, text = self.ctx.prompts[index // self.ctx.n]
+        return text if text is not None else ""
+
+    # -- streaming -------------------------------------------------------------
+    def opening_chunks(self) -> list[dict]:
+        if self.ctx.chat:
+            return [
+                self._chunk(i, {"delta": {"role": "assistant", "content": ""}})
+                for i in self.choices
+            ]
+        if self.echo:
+            return [self._chunk(i, {"text": self._prompt_text(i)}) for i in self.choices]
+        return []
+
+    def stream_chunks(self, prompt_index: int, d: Delta) -> list[dict]:
+        c = self.add(prompt_index, d)
+        if not (d.text or d.finished or (self.num_logprobs is not None and d.logprobs)):
+            return []
+        lp = self._logprobs(d.logprobs) if self.num_logprobs is not None else None
+        reason = _reason(c.finish_reason) if d.finished else None
+        if self.ctx.chat:
+            return [
+                self._chunk(
+                    c.index, {"delta": {"content": d.text}, "logprobs": lp, "finish_reason": reason}
+                )
+            ]
+        return [self._chunk(c.index, {"text": d.text, "logprobs": lp, "finish_reason": reason})]
+
+    def _chunk(self, index: int, body: dict) -> dict:
+        ctx = self.ctx
+        choice = {"index": index, "logprobs": None, "finish_reason": None, **body}
+        return {
+            "id": ctx.request_id,
+            "object": ctx.chunk_object,
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": [choice],
+        }
+
+    def usage_chunk(self) -> dict:
+        ctx = self.ctx
+        return {
+            "id": ctx.request_id,
+            "object": ctx.chunk_object,
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": [],
+            "usage": self.usage(),
+        }
+
+    # -- logprobs ----------------------------------------------------------------
+    def _logprobs(self, entries: list[dict[int, Logprob]]) -> dict:
+        n = self.num_logprobs or 0
+        if self.ctx.chat:
+            return {"content": [_chat_logprob(e, n) for e in entries]}
+        chosen = [next(iter(e.values())) for e in entries]
+        offsets, pos = [], 0
+        for lp in chosen:
+            offsets.append(pos)
+            pos += len(lp.decoded_token or "")
+        return {
+            "tokens": [lp.decoded_token for lp in chosen],
+            "token_logprobs": [lp.logprob for lp in chosen],
+            "top_logprobs": [{lp.decoded_token: lp.logprob for lp in _top(e, n)} for e in entries],
+            "text_offset": offsets,
+        }
+
+
+def _requested_logprobs(ctx: Context) -> int | None:
+    body = ctx.body
+    if ctx.chat:
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
+
+
+def _top(entry: dict[int, Logprob], n: int) -> list[Logprob]:
+    return sorted(
+        (lp for lp in entry.values() if lp.rank is not None and lp.rank <= n),
+        key=lambda lp: lp.rank,
+    )
+
+
+def _chat_logprob(entry: dict[int, Logprob], n: int) -> dict:
+    chosen = next(iter(entry.values()))
+
+    def one(lp: Logprob) -> dict:
+        token = lp.decoded_token or ""
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+    return {**one(chosen), "top_logprobs": [one(lp) for lp in _top(entry, n)]}
+
+
+def _reason(reason: str | None) -> str | None:
+    return None if reason in (None, "abort", "error") else reason
+
+
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def model_list(name: str, created: int) -> dict:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "laneserve",
+                "root": name,
+            }
+        ],
+    }
+
+
+def sse(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()

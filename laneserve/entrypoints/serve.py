@@ -1,0 +1,105 @@
+"""`laneserve serve`: the OpenAI-compatible server on the async engine.
+
+The socket opens first and the model loads in the background (`/health` says
+503 until it is ready). SIGTERM / Ctrl-C: uvicorn stops accepting, lets open
+requests finish for a grace period, then the engine aborts what is left and
+stops the worker process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+from laneserve.engine_args import EngineArgs
+from laneserve.entrypoints.api_server import DEFAULT_MAX_REQUEST_BYTES, ServerState, build_app
+from laneserve.frontend.async_llm import AsyncLLM
+from laneserve.model.loader import DEFAULT_MODEL_NAME
+
+log = logging.getLogger("laneserve.serve")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    p.add_argument("--graceful-shutdown-s", type=float, default=10.0)
+    EngineArgs.add_cli_args(p, default_worker_mode="process")
+    p.set_defaults(func=run)
+
+
+def served_name(model: str | None, override: str | None) -> str:
+    if override:
+        return override
+    if not model:
+        return DEFAULT_MODEL_NAME
+    return Path(model).name.removesuffix(".gguf") or model
+
+
+def run(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    args = EngineArgs.from_cli(ns)
+    config = args.create_config()  # invalid flags fail here, before anything starts
+    llm = AsyncLLM(config, on_step=None)
+    state = ServerState(
+        llm, served_name(ns.model, ns.served_model_name), ns.api_key, ns.max_request_bytes
+    )
+    llm.on_step = lambda engine, deltas: state.metrics.refresh(engine)
+    app = build_app(state)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=ns.host,
+            port=ns.port,
+            log_level="warning",
+            timeout_graceful_shutdown=ns.graceful_shutdown_s,
+            lifespan="on",
+        )
+    )
+    failed: list[BaseException] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        llm.start()
+        watcher = asyncio.create_task(_announce(llm, server, state, ns, failed))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            log.info("shutting down: aborting in-flight requests, stopping the worker")
+            await asyncio.to_thread(llm.shutdown)
+
+    app.router.lifespan_context = lifespan
+    log.info("starting laneserve on http://%s:%d (loading %s)", ns.host, ns.port, state.model_name)
+    server.run()
+    if failed:
+        print(f"error: {failed[0]}")
+        return 2
+    return 0
+
+
+async def _announce(
+    llm: AsyncLLM, server, state: ServerState, ns: argparse.Namespace, failed: list
+) -> None:
+    await asyncio.to_thread(llm.wait_ready)
+    if llm.load_error is not None:
+        failed.append(llm.load_error)
+        server.should_exit = True
+        return
+    eng = llm.engine
+    log.info(
+        "ready: serving %s at http://%s:%d/v1 (max_model_len %d, %s worker, %s)",
+        state.model_name,
+        ns.host,
+        ns.port,
+        eng.max_model_len,
+        eng.config.worker.mode,
+        "async scheduling" if eng.config.scheduler.async_scheduling else "sync scheduling",
+    )

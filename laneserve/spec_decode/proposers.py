@@ -1,0 +1,87 @@
+"""Draft proposers. Both run in the device lane at the end of a step, after the
+step's tokens are committed, and leave the next step's drafts in the request's
+state slot (`drafts[slot]`, `num_drafts[slot]`). No host synchronisation.
+
+MTP runs the head over *every* position the target computed in the step, with
+t[i+1] read back from the committed history: prompt chunks thereby build the
+head's KV for the prompt, and a verify step overwrites the head's KV at its
+positions with the accepted tokens. The first draft comes from the last
+accepted position of each sampling row; further drafts apply the head
+recurrently on its own normed output (positions beyond the row's block table
+write to a scratch block: drafts there may be worse, never wrong).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from laneserve.model.attention import AttentionMetadata
+from laneserve.model.mtp import MtpHead
+from laneserve.spec_decode.ngram import propose_ngram
+
+
+class StepView(Protocol):
+    """What a proposer may read about the step that just ran (device tensors)."""
+
+    slots: torch.Tensor  # [Rs] state slots of the sampling rows
+    last_index: torch.Tensor  # [Rs] token row of each sampling row's last accepted position
+    positions: torch.Tensor  # [T]
+    hidden: torch.Tensor  # [T, H] target normed hidden
+    meta_mtp: AttentionMetadata | None  # the step's attention metadata for the MTP cache group
+    mtp_table: torch.Tensor | None  # [Rs, W + 1] MTP block table rows (last column: scratch)
+    max_len: int  # host bound on every sampling row's length
+
+
+class NgramProposer:
+    def __init__(self, k: int, n_min: int, n_max: int) -> None:
+        self.k, self.n_min, self.n_max = k, n_min, n_max
+
+    def propose(self, state: object, view: StepView, next_tokens: torch.Tensor) -> None:
+        del next_tokens
+        width = min(view.max_len, state.width)
+        hist = state.history.index_select(0, view.slots)[:, :width]
+        lengths = state.committed.index_select(0, view.slots)
+        drafts, num = propose_ngram(hist, lengths, self.k, self.n_min, self.n_max)
+        state.drafts[view.slots, : self.k] = drafts
+        state.num_drafts.index_copy_(0, view.slots, num)
+
+
+class MtpProposer:
+    def __init__(
+        self, head: MtpHead, k: int, kv_cache: tuple[torch.Tensor, torch.Tensor], block_size: int
+    ) -> None:
+        self.head, self.k, self.kv_cache, self.block_size = head, k, kv_cache, block_size
+
+    def propose(self, state: object, view: StepView, next_tokens: torch.Tensor) -> None:
+        out = self.head.forward(
+            next_tokens, view.hidden, view.positions, view.meta_mtp, self.kv_cache
+        )
+        if view.slots.numel() == 0:
+            return  # a prompt chunk: only the head's KV was needed
+        h = out.index_select(0, view.last_index)  # [Rs, H]
+        pos = view.positions.index_select(0, view.last_index)
+        token = self.head.draft(h)
+        drafts = [token]
+        for _ in range(self.k - 1):
+            pos = pos + 1
+            h = self.head.forward(token, h, pos, self._single_token_meta(view, pos), self.kv_cache)
+            token = self.head.draft(h)
+            drafts.append(token)
+        state.drafts[view.slots, : self.k] = torch.stack(drafts, dim=1)
+        state.num_drafts.index_fill_(0, view.slots, self.k)
+
+    def _single_token_meta(self, view: StepView, pos: torch.Tensor) -> AttentionMetadata:
+        bs, table = self.block_size, view.mtp_table
+        col = torch.div(pos, bs, rounding_mode="floor").clamp(max=table.shape[1] - 1)
+        block = table.gather(1, col[:, None]).squeeze(1)
+        rows = pos.shape[0]
+        return AttentionMetadata(
+            slot_mapping=block * bs + pos % bs,
+            num_decode_tokens=rows,
+            decode_block_tables=table.to(torch.int32),
+            decode_seq_lens=(pos + 1).to(torch.int32),
+            decode_query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=pos.device),
+            prefills=(),
+        )

@@ -1,0 +1,216 @@
+"""`laneserve train-mtp`: train an MTP head for any supported model by
+self-distillation (see `mtp_data.py` for the data).
+
+The head (enorm, hnorm, eh_proj, one decoder layer of the base architecture)
+learns, with teacher forcing over whole sequences, to predict the base
+model's own t[i+2] from (h[i], t[i+1]); embedding, final norm and LM head are
+the base model's, frozen. The loss runs over a *draft vocabulary*: the most
+frequent target tokens, which also makes every draft's LM-head matmul small
+at inference. The decoder layer starts from the base model's last layer.
+
+Resumable: data and checkpoints live in `<out>.work/`; `--resume` continues
+from the last checkpoint. The export is bf16 safetensors with DeepSeek-V3
+names (`model.layers.{L}.*`) plus `draft_vocab`, and metadata recording how
+it was trained and its held-out top-1 accuracy (= greedy k=1 acceptance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from laneserve.spec_decode.mtp_data import Sample, generate_samples
+from laneserve.spec_decode.mtp_module import MtpTrainModule
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-mtp", help="train an MTP draft head for a model (self-distillation)")
+    p.add_argument("--model", default=None, help="HF dir or .gguf (default: the embedded model)")
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--num-prompts", type=int, default=500)
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--gen-batch", type=int, default=32)
+    p.add_argument("--epochs", type=float, default=3.0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="0: the full vocabulary")
+    p.add_argument("--holdout", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--dtype", default="auto")
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from laneserve import LLM
+
+    torch.manual_seed(ns.seed)
+    out = Path(ns.out)
+    work = out.with_name(out.name + ".work")
+    work.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    llm = LLM(
+        ns.model,
+        dtype=ns.dtype,
+        async_scheduling=False,
+        enable_prefix_caching=False,
+        max_num_seqs=ns.gen_batch,
+    )
+    data_file = work / "data.pt"
+    if ns.resume and data_file.exists():
+        samples = [Sample(**d) for d in torch.load(data_file)]
+        log.info("resumed data: %d sequences", len(samples))
+    else:
+        samples = generate_samples(llm, ns.num_prompts, ns.max_new_tokens, ns.gen_batch)
+        torch.save([s.__dict__ for s in samples], data_file)
+    gen_s = time.perf_counter() - start
+    worker = llm.engine.client.worker
+    module = MtpTrainModule.from_base(worker.ckpt, worker.model)
+    vocab = draft_vocabulary(samples, ns.draft_vocab, worker.ckpt.arch.vocab_size)
+    module.set_draft_vocab(vocab)
+    llm.shutdown()
+    rng = random.Random(ns.seed)
+    rng.shuffle(samples)
+    n_hold = max(1, int(len(samples) * ns.holdout))
+    held, train = samples[:n_hold], samples[n_hold:]
+    train_loop(module, train, ns, work)
+    acc = accuracy(module, held)
+    meta = {
+        "base_model": worker.ckpt.known_name or worker.ckpt.source,
+        "hidden_size": str(worker.ckpt.arch.hidden_size),
+        "trained_sequences": str(len(train)),
+        "trained_positions": str(sum(_num_targets(s) for s in train)),
+        "draft_vocab": str(len(vocab)),
+        "draft_vocab_coverage": f"{coverage(samples, vocab):.4f}",
+        "heldout_top1": f"{acc:.4f}",
+        "epochs": str(ns.epochs),
+        "generation_s": f"{gen_s:.0f}",
+        "total_s": f"{time.perf_counter() - start:.0f}",
+        "command": "laneserve train-mtp "
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in vars(ns).items()
+            if k not in ("func", "resume", "log_level", "command") and v is not None
+        ),
+    }
+    module.export(out, meta)
+    print(json.dumps({"out": str(out), **meta}))
+    return 0
+
+
+def _num_targets(s: Sample) -> int:
+    return max(0, len(s.tokens) - s.prompt_len)
+
+
+def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> torch.Tensor:
+    if size <= 0 or size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in samples:
+        counts += torch.bincount(torch.tensor(s.tokens), minlength=vocab_size)
+    return counts.topk(size).indices.sort().values
+
+
+def coverage(samples: list[Sample], vocab: torch.Tensor) -> float:
+    keep = set(vocab.tolist())
+    targets = [t for s in samples for t in s.tokens[s.prompt_len :]]
+    return sum(t in keep for t in targets) / max(1, len(targets))
+
+
+def batches(samples: list[Sample], size: int, rng: random.Random) -> list[list[Sample]]:
+    order = sorted(samples, key=lambda s: len(s.tokens))  # similar lengths: little padding
+    groups = [order[i : i + size] for i in range(0, len(order), size)]
+    rng.shuffle(groups)
+    return groups
+
+
+def collate(group: list[Sample], vocab_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(next tokens [B, L], hidden [B, L, H], targets in draft-vocab ids [B, L] (-100 = skip))."""
+    n = max(len(s.tokens) - 1 for s in group)
+    b, h = len(group), group[0].hidden.shape[1]
+    nxt = torch.zeros((b, n), dtype=torch.int64)
+    hid = torch.zeros((b, n, h), dtype=torch.float32)
+    tgt = torch.full((b, n), -100, dtype=torch.int64)
+    for i, s in enumerate(group):
+        toks = torch.tensor(s.tokens)
+        m = len(s.tokens) - 1
+        nxt[i, :m] = toks[1:]
+        hid[i, :m] = s.hidden.float()
+        # position j predicts t[j+2]; only generated targets (j + 2 >= prompt_len)
+        j = torch.arange(max(0, s.prompt_len - 2), m - 1)
+        mapped = vocab_index[toks[j + 2]]
+        tgt[i, j] = torch.where(mapped >= 0, mapped, torch.full_like(mapped, -100))
+    return nxt, hid, tgt
+
+
+def train_loop(
+    module: MtpTrainModule, train: list[Sample], ns: argparse.Namespace, work: Path
+) -> None:
+    rng = random.Random(ns.seed)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=ns.lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(train) / ns.batch_size)
+    total = max(1, int(steps_per_epoch * ns.epochs))
+    step = 0
+    ckpt = work / "checkpoint.pt"
+    if ns.resume and ckpt.exists():
+        state = torch.load(ckpt)
+        module.load_state_dict(state["module"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        log.info("resumed training at step %d/%d", step, total)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)),
+    )
+    for _ in range(step):
+        sched.step()
+    bar = tqdm(total=total, initial=step, desc="training MTP head", unit="step")
+    epoch_batches: list[list[Sample]] = []
+    while step < total:
+        if not epoch_batches:
+            epoch_batches = batches(train, ns.batch_size, rng)
+        nxt, hid, tgt = collate(epoch_batches.pop(), module.vocab_index)
+        logits = module(nxt, hid)
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % 50 == 0 or step == total:
+            torch.save({"module": module.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+    bar.close()
+
+
+@torch.no_grad()
+def accuracy(module: MtpTrainModule, held: list[Sample]) -> float:
+    hit = n = 0
+    for s in held:
+        nxt, hid, tgt = collate([s], module.vocab_index)
+        pred = module(nxt, hid).argmax(-1)
+        mask = tgt >= 0
+        full_mask = _generated_mask(s, tgt.shape[1])
+        hit += int((pred[mask] == tgt[mask]).sum())
+        n += int(full_mask.sum())  # targets outside the draft vocab count as misses
+    return hit / max(1, n)
+
+
+def _generated_mask(s: Sample, n: int) -> torch.Tensor:
+    m = torch.zeros(n, dtype=torch.bool)
+    m[max(0, s.prompt_len - 2) : len(s.tokens) - 2] = True
+    return m
