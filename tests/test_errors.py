@@ -45,7 +45,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 def test_directory_without_weights(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     shutil.copy(tiny_models["llama"] / "config.json", tmp_path / "config.json")
-    with pytest.raises(ValueError, match=r"no \\*.safetensors"):
+    with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         LLM(str(tmp_path))
 
 

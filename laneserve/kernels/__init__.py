@@ -1,0 +1,308 @@
+"""Compute kernels for laneserve: AVX2 CPU kernels with pure-torch fallbacks.
+
+Use :func:`get_kernels` to pick an implementation for a device and keep the returned
+object; both implementations expose the same methods:
+
+* :class:`CpuKernels` wraps the JIT-built C++ extension (``cpu_ops.cpp``): bf16/fp16/fp32
+  weights streamed once with fp32 FMA accumulation, batch invariant (see below).
+* :class:`TorchKernels` is the reference / fallback built from plain torch ops; it runs on
+  any device (CUDA included) and is used when the extension is unavailable.
+
+NOTE (batch invariance): for ``M <= BATCH_INVARIANT_MAX_M`` rows, row ``m`` of every
+:class:`CpuKernels` op output is bitwise identical whatever the other rows contain and
+however many there are; the same holds per query for ``paged_attention`` (independent of
+``q_len`` and of the other sequences). Speculative decoding relies on this to give the
+same greedy tokens with and without speculation. :class:`TorchKernels` gives no such
+guarantee (it inherits whatever torch / BLAS does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from laneserve.kernels.build import KernelLib, load_kernels
+
+__all__ = [
+    "BATCH_INVARIANT_MAX_M",
+    "PACK_BLOCK_N",
+    "CpuKernels",
+    "KernelLib",
+    "Kernels",
+    "PackedWeight",
+    "TorchKernels",
+    "get_kernels",
+    "load_kernels",
+]
+
+# Largest M for which CpuKernels.linear guarantees batch invariance. The current kernel
+# uses one code path (and per-element FMA order) for every M, so it is in fact invariant
+# beyond this too; the contract stops here so a faster prefill path may be added later.
+BATCH_INVARIANT_MAX_M = 64
+# Output columns per packed weight block ([ceil(N/16), K, 16] layout).
+PACK_BLOCK_N = 16
+
+LAYOUT_BLOCKED = "blocked16"  # CpuKernels: [ceil(N/16), K, 16], zero padded
+LAYOUT_TORCH = "torch"  # TorchKernels: plain [N, K] for F.linear (fp32 on CPU)
+
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear weight prepared once for ``linear`` by the kernels object that packed it."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+    dtype: torch.dtype  # dtype of the original weight (storage dtype of the packed data)
+    layout: str
+
+
+def _check_weight(w: torch.Tensor) -> None:
+    if w.dim() != 2:
+        raise ValueError(f"linear weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    if w.dtype not in _WEIGHT_DTYPES:
+        raise TypeError(f"unsupported linear weight dtype {w.dtype}")
+
+
+class TorchKernels:
+    """Pure-torch implementations (reference and fallback; any device, any float dtype).
+
+    Computes in the activations' dtype (float32 on CPU; the weight dtype on CUDA).
+    """
+
+    name = "torch"
+
+    def pack_linear_weight(self, w: torch.Tensor) -> PackedWeight:
+        # NOTE: the weight is stored in the dtype linear() computes in. On CPU the
+        # activations are fp32, so bf16/fp16 weights are upcast once here (fp32 MKL GEMM
+        # beats torch's emulated bf16 GEMM on AVX2; costs 2x memory). Elsewhere (CUDA)
+        # activations are in the weight dtype and the weight is kept as is.
+        _check_weight(w)
+        data = w.detach()
+        if data.device.type == "cpu":
+            data = data.to(torch.float32)
+        return PackedWeight(data.contiguous(), w.shape[0], w.shape[1], w.dtype, LAYOUT_TORCH)
+
+    def linear(
+        self,
+        x: torch.Tensor,  # [M, K] activations (float32 on CPU)
+        w: PackedWeight,
+        bias: torch.Tensor | None = None,  # [N]
+    ) -> torch.Tensor:  # [M, N], x.dtype
+        weight = w.data if w.data.dtype == x.dtype else w.data.to(x.dtype)
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return F.linear(x, weight, bias)
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [M, H]
+        weight: torch.Tensor,  # [H]
+        eps: float,
+    ) -> torch.Tensor:  # [M, H]
+        # HF LlamaRMSNorm: statistics in fp32, normalized x cast back, then * weight.
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def fused_add_rms_norm(
+        self,
+        x: torch.Tensor,  # [M, H], overwritten with the normed output
+        residual: torch.Tensor,  # [M, H], overwritten with x + residual
+        weight: torch.Tensor,  # [H]
+        eps: float,
+    ) -> None:
+        residual.add_(x)
+        x.copy_(self.rms_norm(residual, weight, eps))
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        q: torch.Tensor,  # [T, Hq*D] (row stride may exceed the width) or [T, Hq, D]
+        k: torch.Tensor,  # [T, Hk*D] or [T, Hk, D]
+        head_dim: int,
+        cos_sin_cache: torch.Tensor,  # [max_pos, D]: cos in [:D/2], sin in [D/2:]
+    ) -> None:
+        half = head_dim // 2
+        cs = cos_sin_cache[positions.long()]
+        cos = cs[:, None, :half]
+        sin = cs[:, None, half:]
+        for t in (q, k):
+            heads = t.view(t.shape[0], -1, head_dim)
+            x1, x2 = heads[..., :half], heads[..., half:]
+            o1 = x1 * cos - x2 * sin
+            o2 = x2 * cos + x1 * sin
+            x1.copy_(o1)
+            x2.copy_(o2)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [M, 2I] -> [M, I]
+        i = x.shape[-1] // 2
+        return F.silu(x[..., :i]) * x[..., i:]
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,  # [T, Hq, D] (float32 on CPU)
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D]
+        block_tables: torch.Tensor,  # [S, max_blocks] int32
+        seq_lens: torch.Tensor,  # [S] int32
+        query_start_loc: torch.Tensor,  # [S+1] int32
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D], q.dtype
+        out = torch.empty_like(q)
+        block_size, hk = k_cache.shape[1], k_cache.shape[2]
+        group = q.shape[1] // hk
+        starts = query_start_loc.tolist()
+        for s, seq_len in enumerate(seq_lens.tolist()):
+            q0, q1 = starts[s], starts[s + 1]
+            if q1 == q0:
+                continue
+            n_blocks = -(-seq_len // block_size)
+            blocks = block_tables[s, :n_blocks].long()
+            k = _gather_kv(k_cache, blocks, seq_len, group, q.dtype)
+            v = _gather_kv(v_cache, blocks, seq_len, group, q.dtype)
+            q_len = q1 - q0
+            # Bottom-right aligned causal mask: query i sits at position seq_len - q_len + i.
+            qpos = torch.arange(q_len, device=q.device) + (seq_len - q_len)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(
+                q[q0:q1].transpose(0, 1), k, v, attn_mask=mask, scale=scale
+            )
+            out[q0:q1] = o.transpose(0, 1)
+        return out
+
+    def write_kv_cache(
+        self,
+        k: torch.Tensor,  # [T, Hk, D]
+        v: torch.Tensor,  # [T, Hk, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64; slot = block * block_size + offset; <0 skip
+    ) -> None:
+        slots = slot_mapping.long()
+        valid = slots >= 0
+        for src, cache in ((k, k_cache), (v, v_cache)):
+            flat = cache.view(-1, cache.shape[2], cache.shape[3])
+            flat.index_copy_(0, slots[valid], src[valid].to(cache.dtype))
+
+
+def _gather_kv(
+    cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, group: int, dtype: torch.dtype
+) -> torch.Tensor:  # [Hq, seq_len, D]
+    hk, d = cache.shape[2], cache.shape[3]
+    kv = cache[blocks].reshape(-1, hk, d)[:seq_len].to(dtype)
+    return kv.repeat_interleave(group, dim=1).transpose(0, 1)
+
+
+class CpuKernels:
+    """AVX2/FMA/F16C kernels from the C++ extension (CPU tensors, float32 activations).
+
+    Weights (linear) and KV caches may be float32, bfloat16 or float16; all arithmetic is
+    fp32. Batch invariant as described in the module docstring, except paged_attention
+    with head_dim % 8 != 0, which falls back to TorchKernels.
+    """
+
+    name = "cpu"
+
+    def __init__(self, lib: KernelLib) -> None:
+        self.lib = lib
+        ops = lib.ops
+        # Bound op handles: saves an attribute lookup chain per call on the decode path.
+        self._pack = ops.pack_linear_weight
+        self._linear = ops.linear
+        self._rms_norm = ops.rms_norm
+        self._fused_add_rms_norm = ops.fused_add_rms_norm
+        self._rotary = ops.rotary_embedding
+        self._silu_and_mul = ops.silu_and_mul
+        self._paged_attention = ops.paged_attention
+        self._write_kv_cache = ops.write_kv_cache
+        self._fallback = TorchKernels()
+
+    def pack_linear_weight(self, w: torch.Tensor) -> PackedWeight:
+        _check_weight(w)
+        data = self._pack(w.detach())
+        return PackedWeight(data, w.shape[0], w.shape[1], w.dtype, LAYOUT_BLOCKED)
+
+    def linear(
+        self,
+        x: torch.Tensor,  # [M, K] float32
+        w: PackedWeight,
+        bias: torch.Tensor | None = None,  # [N] float32
+    ) -> torch.Tensor:  # [M, N] float32
+        return self._linear(x, w.data, w.out_features, bias)
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [M, H] float32
+        weight: torch.Tensor,  # [H] float32
+        eps: float,
+    ) -> torch.Tensor:  # [M, H]
+        return self._rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(
+        self,
+        x: torch.Tensor,  # [M, H] float32, contiguous; overwritten with the normed output
+        residual: torch.Tensor,  # [M, H] float32, contiguous; overwritten with x + residual
+        weight: torch.Tensor,  # [H]
+        eps: float,
+    ) -> None:
+        self._fused_add_rms_norm(x, residual, weight, eps)
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        q: torch.Tensor,  # [T, Hq*D] any row stride, or [T, Hq, D]; float32, in place
+        k: torch.Tensor,  # [T, Hk*D] / [T, Hk, D]
+        head_dim: int,
+        cos_sin_cache: torch.Tensor,  # [max_pos, D] float32: cos | sin
+    ) -> None:
+        # q/k may be column slices of a fused qkv output (row stride > width): the kernel
+        # handles any row stride as long as each row's heads are contiguous.
+        self._rotary(positions, q, k, head_dim, cos_sin_cache)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [M, 2I] f32 -> [M, I]
+        return self._silu_and_mul(x)
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,  # [T, Hq, D] float32 (unit stride on D)
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D] f32 | bf16 | f16, contiguous
+        v_cache: torch.Tensor,  # same as k_cache
+        block_tables: torch.Tensor,  # [S, max_blocks] int32
+        seq_lens: torch.Tensor,  # [S] int32, keys per sequence incl. this step's tokens
+        query_start_loc: torch.Tensor,  # [S+1] int32
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D] float32
+        if q.shape[-1] % 8 != 0:  # the kernel vectorizes head_dim by 8
+            return self._fallback.paged_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+            )
+        return self._paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+        )
+
+    def write_kv_cache(
+        self,
+        k: torch.Tensor,  # [T, Hk, D] float32 (rows may be strided views of a qkv output)
+        v: torch.Tensor,  # [T, Hk, D] float32
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D], converted with RNE
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64, block * block_size + offset; < 0 skipped
+    ) -> None:
+        self._write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+Kernels = CpuKernels | TorchKernels
+
+
+def get_kernels(device: torch.device, enable: bool = True) -> CpuKernels | TorchKernels:
+    """CpuKernels for CPU devices when the extension builds (and ``enable``), else torch."""
+    if enable and torch.device(device).type == "cpu":
+        lib = load_kernels()
+        if lib is not None:
+            return CpuKernels(lib)
+    return TorchKernels()

@@ -1,0 +1,201 @@
+"""JIT build and load of the laneserve CPU kernels (``cpu_ops.cpp``).
+
+The extension is compiled with ``torch.utils.cpp_extension.load`` (ninja) into
+``$LANESERVE_CACHE_DIR/torch_extensions`` (default ``~/.cache/laneserve/torch_extensions``)
+under a name that embeds a hash of the source and flags, so an edited source gets a fresh
+build directory and an unchanged one is only re-linked-checked by ninja (~0.1 s).
+
+Ops are registered with ``TORCH_LIBRARY(laneserve, ...)`` and reached as
+``torch.ops.laneserve.<name>``; :func:`load_kernels` returns a :class:`KernelLib` handle
+holding them, or ``None`` when the kernels cannot be used on this machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+DISABLE_ENV = "LANESERVE_DISABLE_KERNELS"
+CACHE_ENV = "LANESERVE_CACHE_DIR"
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+# NOTE: -ffp-contract=off: the kernels place every FMA explicitly; letting the compiler
+# contract a*b+c elsewhere would make scalar tails differ from vector bodies and from
+# torch's unfused formulas. -fopenmp is required for at::parallel_for: its OpenMP
+# implementation is a header template compiled into this extension (without the flag
+# every parallel_for silently runs on one thread). The resulting DT_NEEDED libgomp.so.1
+# resolves to the copy torch already loaded (same soname), so there is one OpenMP runtime.
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-DNDEBUG")
+LDFLAGS = ("-fopenmp",)
+OPS = (
+    "pack_linear_weight",
+    "linear",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "paged_attention",
+    "write_kv_cache",
+)
+
+
+@dataclass(frozen=True)
+class KernelLib:
+    """Handle on the loaded extension; callers keep it (there is no hidden global)."""
+
+    library_path: str
+    build_seconds: float
+    ops: Any  # torch.ops.laneserve namespace
+
+    def op(self, name: str) -> Any:
+        return getattr(self.ops, name)
+
+
+def cache_root() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    base = Path(root) if root else Path.home() / ".cache" / "laneserve"
+    return base / "torch_extensions"
+
+
+def cpu_supported() -> bool:
+    """True on x86-64 CPUs with AVX2, FMA and F16C."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return all(flag in flags for flag in REQUIRED_CPU_FLAGS)
+    except OSError:
+        pass
+    # No /proc/cpuinfo: torch's dispatch level implies AVX2 (+FMA/F16C on all such CPUs).
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def extension_name(source_text: str) -> str:
+    """Name derived from source + flags + torch version, so any change rebuilds."""
+    digest = hashlib.sha256()
+    for part in (source_text, " ".join(CFLAGS), " ".join(LDFLAGS), torch.__version__):
+        digest.update(part.encode())
+    return f"laneserve_cpu_{digest.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Inter-process lock around the build.
+
+    torch's own FileBaton (``<build_dir>/lock``, O_EXCL) serializes concurrent builds, but
+    a process killed mid-build leaves the file behind and every later load spins on it
+    forever. An flock is released by the kernel when its holder dies; while we hold it no
+    other laneserve process can be inside ``cpp_extension.load`` for this directory, so a
+    leftover baton file is stale and safe to remove.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "laneserve.flock", "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing stale torch extension lock %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; a venv used without activation has the pip package's
+    binary but not on PATH, so add its directory (process-local, idempotent)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # the pip package
+
+        bin_dir = str(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        return
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def _compile(name: str, build_dir: Path) -> str:
+    from torch.utils import cpp_extension
+
+    _ensure_ninja_on_path()
+
+    return cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+@functools.cache
+def _build_and_load(name: str, build_dir: str) -> KernelLib | None:
+    """Compile (if needed) and load once per process; idempotent for a given name."""
+    path = Path(build_dir)
+    library = path / f"{name}.so"
+    first_build = not library.exists()
+    if first_build:
+        logger.info("building CPU kernels (first run only, ~45s) in %s", path)
+    start = time.perf_counter()
+    try:
+        with _build_lock(path):
+            lib_path = _compile(name, path)
+    except Exception as exc:  # compiler missing, bad toolchain, link error, ...
+        logger.warning("laneserve CPU kernels unavailable (build failed: %s); using torch", exc)
+        return None
+    elapsed = time.perf_counter() - start
+    if first_build:
+        logger.info("built CPU kernels in %.1fs", elapsed)
+    ops = torch.ops.laneserve
+    missing = [op for op in OPS if not hasattr(ops, op)]
+    if missing:
+        logger.warning("laneserve CPU kernels loaded without ops %s; using torch", missing)
+        return None
+    return KernelLib(library_path=str(lib_path), build_seconds=elapsed, ops=ops)
+
+
+def kernels_disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def load_kernels() -> KernelLib | None:
+    """Return the CPU kernel library, building it on first use; ``None`` = use torch.
+
+    Not available (one WARNING, then ``None``) when ``LANESERVE_DISABLE_KERNELS=1``, on
+    CPUs without AVX2/FMA/F16C, or when compilation fails.
+    """
+    if kernels_disabled():
+        logger.info("%s set: using torch fallback kernels", DISABLE_ENV)
+        return None
+    if not cpu_supported():
+        _warn_once("CPU lacks avx2/fma/f16c (or is not x86-64): using torch fallback kernels")
+        return None
+    name = extension_name(SOURCE.read_text(encoding="utf-8"))
+    return _build_and_load(name, str(cache_root() / name))
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
