@@ -43,13 +43,6 @@ def worker_main(conn_in: Connection, conn: Connection, log_level: int) -> None:
     from laneserve.worker.worker import Worker
 
     config = msgspec.msgpack.decode(conn_in.recv_bytes(), type=EngineConfig)
-    try:
-        worker = Worker(config)
-    except Exception as e:
-        failed = WorkerFailed(str(e), bad_input=isinstance(e, ValueError))
-        conn.send_bytes(protocol.encode(failed))
-        return
-    conn.send_bytes(protocol.encode(worker.ready()))
     lock = threading.Lock()
 
     def emit(result: StepResult) -> None:
@@ -57,7 +50,15 @@ def worker_main(conn_in: Connection, conn: Connection, log_level: int) -> None:
         with lock:
             conn.send_bytes(data)
 
-    lanes = Lanes(worker, emit)
+    try:  # the worker is built on the device lane (see Lanes)
+        lanes = Lanes(lambda: Worker(config), emit)
+    except Exception as e:
+        failed = WorkerFailed(str(e), bad_input=isinstance(e, ValueError))
+        conn.send_bytes(protocol.encode(failed))
+        return
+    worker = lanes.worker
+    with lock:
+        conn.send_bytes(protocol.encode(worker.ready()))
     try:
         while True:
             try:

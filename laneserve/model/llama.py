@@ -76,17 +76,18 @@ class DecoderLayer:
     ) -> torch.Tensor:
         arch, t = self.arch, x.shape[0]
         qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = q.contiguous(), k.contiguous()
+        qs, kvs = self.q_size, self.kv_size
+        # NOTE: strided column views of qkv: the kernels take any row stride.
+        q, k, v = qkv[:, :qs], qkv[:, qs : qs + kvs], qkv[:, qs + kvs :]
         if self.q_norm is not None:
-            q = self.q_norm(q.view(-1, arch.head_dim)).view(t, self.q_size)
-            k = self.k_norm(k.view(-1, arch.head_dim)).view(t, self.kv_size)
+            q = self.q_norm(q.reshape(-1, arch.head_dim)).view(t, qs)
+            k = self.k_norm(k.reshape(-1, arch.head_dim)).view(t, kvs)
         self.rotary(positions, q, k)
         out = paged_attention(
             self.kernels,
             q.view(t, arch.num_heads, arch.head_dim),
             k.view(t, arch.num_kv_heads, arch.head_dim),
-            v.contiguous().view(t, arch.num_kv_heads, arch.head_dim),
+            v.view(t, arch.num_kv_heads, arch.head_dim),
             kv_cache,
             meta,
             self.scale,

@@ -35,11 +35,11 @@ class InlineClient:
 
 
 class LaneClient:
-    def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
-        self.worker = worker or Worker(config)
-        self.ready: WorkerReady = self.worker.ready()
+    def __init__(self, config: EngineConfig) -> None:
         self._results: queue.SimpleQueue[StepResult] = queue.SimpleQueue()
-        self.lanes = Lanes(self.worker, self._results.put)
+        self.lanes = Lanes(lambda: Worker(config), self._results.put)
+        self.worker = self.lanes.worker
+        self.ready: WorkerReady = self.worker.ready()
 
     def submit(self, cmd: StepCommand) -> None:
         self.lanes.submit(cmd)

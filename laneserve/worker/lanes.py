@@ -45,32 +45,61 @@ class _Failure:
 
 
 class Lanes:
+    """Builds the worker on the device lane, then runs the four lanes.
+
+    NOTE: the worker (model loading included) is created *on the device-lane
+    thread*, so the OpenMP team that runs the forward pass is that thread's
+    only. A second team on the same cores (a model loaded on the main thread
+    and run on a lane) made every forward pass 15-40% slower here; so did
+    `torch.set_num_threads(1)` on the host lanes (it is not thread-local).
+    """
+
     def __init__(
-        self, worker: Worker, emit: Callable[[StepResult], None], async_prepare: bool = True
+        self,
+        make_worker: Callable[[], Worker],
+        emit: Callable[[StepResult], None],
+        async_prepare: bool = True,
     ) -> None:
-        self.worker = worker
         self.emit = emit
-        self.async_prepare = async_prepare and worker.supports_async_prepare
         self._q_cmd: queue.SimpleQueue = queue.SimpleQueue()
         self._q_prep: queue.SimpleQueue = queue.SimpleQueue()
         self._q_dev: queue.SimpleQueue = queue.SimpleQueue()
         self._q_out: queue.SimpleQueue = queue.SimpleQueue()
         self._free_slots: queue.SimpleQueue = queue.SimpleQueue()
-        for slot in worker.input_slots:
-            self._free_slots.put(slot)
         self._device_idle = threading.Event()
         self._device_idle.set()
-        self._threads = [
+        built: queue.SimpleQueue = queue.SimpleQueue()
+        device = threading.Thread(
+            target=self._device_main, args=(make_worker, built), name="lane-device", daemon=True
+        )
+        device.start()
+        worker = built.get()
+        if isinstance(worker, BaseException):
+            device.join()
+            raise worker
+        self.worker: Worker = worker
+        self.async_prepare = async_prepare and worker.supports_async_prepare
+        for slot in worker.input_slots:
+            self._free_slots.put(slot)
+        self._threads = [device] + [
             threading.Thread(target=fn, name=f"lane-{name}", daemon=True)
             for name, fn in (
                 ("command", self._command_lane),
                 ("prepare", self._prepare_lane),
-                ("device", self._device_lane),
                 ("output", self._output_lane),
             )
         ]
-        for t in self._threads:
+        for t in self._threads[1:]:
             t.start()
+
+    def _device_main(self, make_worker: Callable[[], Worker], built: queue.SimpleQueue) -> None:
+        try:
+            worker = make_worker()
+        except BaseException as e:
+            built.put(e)
+            return
+        built.put(worker)
+        self._device_lane()
 
     def submit(self, item: StepCommand | bytes) -> None:
         self._q_cmd.put(item)

@@ -164,7 +164,9 @@ class ModelRunner:
         tok_slot = inp.row_slot.index_select(0, inp.token_row)
         ids = st.history[tok_slot, positions]
         if inp.any_spec:
-            draft = st.drafts[tok_slot, (inp.token_offset - 1).clamp(min=0)]
+            # prefill offsets run past the draft columns: clamp, token_is_draft masks them
+            col = (inp.token_offset - 1).clamp(min=0, max=st.drafts.shape[1] - 1)
+            draft = st.drafts[tok_slot, col]
             ids = torch.where(inp.token_is_draft, draft, ids)
         return ids, positions, start
 

@@ -171,7 +171,9 @@ class Worker:
     def _allocate_cache(
         self, group: CacheGroupSpec, n: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (n, group.block_size, group.num_kv_heads, group.head_dim)
+        # one block more than the pool: block id n is the scratch block that
+        # padded block-table entries point at (draft positions past a row's blocks)
+        shape = (n + 1, group.block_size, group.num_kv_heads, group.head_dim)
         dtype = self.ckpt.weight_dtype
         # NOTE: torch.empty: pages are only touched when a block is first written.
         return [

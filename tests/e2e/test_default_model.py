@@ -62,3 +62,30 @@ def test_default_model_chat_answers(llm: LLM) -> None:
         use_tqdm=False,
     )[0].outputs[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("spec", "async_on"),
+    [
+        ({"method": "mtp", "num_speculative_tokens": 1}, True),
+        ({"method": "mtp", "num_speculative_tokens": 2}, False),
+        ({"method": "ngram", "num_speculative_tokens": 3}, True),
+    ],
+)
+def test_default_model_speculation_is_exact(llm: LLM, spec: dict, async_on: bool) -> None:
+    """The shipped MTP head (and n-gram drafts) leave greedy output unchanged."""
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    prompts.append(llm.engine.tokenizer.apply_chat_template(CHAT))
+    prompts.append(tok.encode("Repeat after me: one two three four, one two three four,"))
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    spec_llm = LLM(dtype="float32", speculative_config=spec, async_scheduling=async_on)
+    try:
+        outs = spec_llm.generate(batch, params, use_tqdm=False)
+        stats = spec_llm.get_stats()
+    finally:
+        spec_llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == base
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] > 0, stats

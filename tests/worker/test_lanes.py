@@ -119,7 +119,7 @@ def cmd(
 
 def run_lanes(worker: FakeWorker, items: list, depth: int = 2) -> list[StepResult]:
     results: queue.SimpleQueue = queue.SimpleQueue()
-    lanes = Lanes(worker, results.put)
+    lanes = Lanes(lambda: worker, results.put)
     out = []
     try:
         submitted = 0

@@ -1,0 +1,82 @@
+"""Async vs sync scheduling on the embedded model, in one run.
+
+For each mode: N concurrent greedy requests (EOS ignored, fixed output length),
+run once with --profile-dir, then the trace analyzer's summary (device span,
+exposed host gap between consecutive device invocations, prepare(N+1) finished
+before device(N) ended) and the throughput. Modes: sync (inline worker), async
+with the worker's lanes in this process, async with a spawned worker process.
+
+    .venv/bin/python benchmarks/bench_async.py --concurrency 8 --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from laneserve import LLM, SamplingParams
+from laneserve.entrypoints.workload import corpus_ids, prompt_token_ids
+from laneserve.obs.trace_analysis import load_events, report, step_spans, summarize
+
+MODES = {
+    "sync": {"async_scheduling": False},
+    "async (lanes, this process)": {"async_scheduling": True},
+    "async (worker process)": {"async_scheduling": True, "worker_mode": "process"},
+}
+
+
+def run_mode(name: str, kw: dict, n: int, max_tokens: int, repeats: int) -> dict:
+    trace = Path(tempfile.mkdtemp(prefix="ls-trace-"))
+    llm = LLM(enable_prefix_caching=False, profile_dir=str(trace), **kw)
+    ids = corpus_ids(llm.get_tokenizer())
+    prompts = [{"prompt_token_ids": p} for p in prompt_token_ids(ids, "short", n)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up (not in the reported trace)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    llm.shutdown()
+    summary = summarize(step_spans(load_events([trace])))
+    out = {
+        "mode": name,
+        "tok_s": [round(n * max_tokens / t, 1) for t in times],
+        "summary": summary.as_dict() if summary else None,
+        "report_tail": report([trace]).splitlines()[-1],
+    }
+    shutil.rmtree(trace, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ns = ap.parse_args()
+    rows = [
+        run_mode(name, kw, ns.concurrency, ns.max_tokens, ns.repeats) for name, kw in MODES.items()
+    ]
+    base = rows[0]["summary"]
+    print(
+        "| mode | tok/s (runs) | device ms (mean) | exposed gap us (mean / median) | overlapped | gap vs sync |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        s = r["summary"]
+        cut = 1 - s["mean_gap_us"] / base["mean_gap_us"] if base["mean_gap_us"] else 0.0
+        print(
+            f"| {r['mode']} | {' / '.join(map(str, r['tok_s']))} | {s['mean_device_us'] / 1000:.2f} | "
+            f"{s['mean_gap_us']:.0f} / {s['median_gap_us']:.0f} | {s['overlapped']}/{s['num_pairs']} | "
+            f"{'-' if r is rows[0] else f'{100 * cut:.0f}% smaller'} |"
+        )
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The trainable MTP module and the inference MTP head compute the same thing,
+and `laneserve train-mtp` produces a loadable head (tiny model, a few steps)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from laneserve import LLM, SamplingParams
+from laneserve.kernels import get_kernels
+from laneserve.model.attention import AttentionMetadata, PrefillSpan
+from laneserve.model.llama import LlamaModel
+from laneserve.model.loader import WeightStore, resolve_checkpoint
+from laneserve.model.mtp import load_mtp_head
+from laneserve.spec_decode.mtp_module import MtpTrainModule
+
+
+def test_train_module_matches_inference_head(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    for family in ("llama", "qwen2", "qwen3"):
+        cpu = torch.device("cpu")
+        ckpt = resolve_checkpoint(str(tiny_models[family]), "float32", cpu)
+        module = MtpTrainModule.from_base(ckpt, None)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        module.set_draft_vocab(torch.arange(0, 320, 3))
+        path = tmp_path / f"{family}.safetensors"
+        module.export(path, {"hidden_size": str(ckpt.arch.hidden_size)})
+        with torch.no_grad():  # the export is bf16: round the trained parameters (not the
+            for p in module.parameters():  # frozen base buffers) to compare like with like
+                p.copy_(p.to(torch.bfloat16).float())
+        kernels = get_kernels(cpu)
+        store = WeightStore(ckpt, cpu, torch.float32)
+        base = LlamaModel(ckpt.arch, kernels, store, cpu, torch.float32, 512)
+        head = load_mtp_head(store, base, kernels, str(path), None)
+        n, h = 20, ckpt.arch.hidden_size
+        nxt = torch.randint(3, 320, (n,))
+        hidden = torch.randn(n, h)
+        with torch.no_grad():
+            ref = module(nxt[None], hidden[None])[0]  # [n, Vd]
+        a = ckpt.arch
+        cache = tuple(torch.zeros(2, 16, a.num_kv_heads, a.head_dim) for _ in range(2))
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n),
+            num_decode_tokens=0,
+            decode_block_tables=None,
+            decode_seq_lens=None,
+            decode_query_start_loc=None,
+            prefills=(PrefillSpan(0, n, 0, torch.tensor([0, 1])),),
+        )
+        out = head.forward(nxt, hidden, torch.arange(n), meta, cache)
+        got = head.head(out)
+        assert torch.allclose(got, ref, atol=2e-3, rtol=1e-3), (family, (got - ref).abs().max())
+        assert torch.equal(head.draft(out), torch.arange(0, 320, 3)[ref.argmax(-1)])
+
+
+def test_train_mtp_cli_resumes_and_produces_a_working_head(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "head.safetensors"
+    cmd = [
+        sys.executable, "-m", "laneserve.entrypoints.cli", "train-mtp", "--model", str(tiny_models["qwen3"]),
+        "--out", str(out), "--num-prompts", "16", "--max-new-tokens", "16", "--epochs", "1",
+        "--draft-vocab", "200", "--dtype", "float32",
+    ]  # fmt: skip
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    info = json.loads(first.stdout.strip().splitlines()[-1])
+    assert int(info["trained_positions"]) > 0 and info["draft_vocab"] == "200"
+    again = subprocess.run(
+        [*cmd[:-6], "--epochs", "2", "--draft-vocab", "200", "--dtype", "float32", "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert (
+        again.returncode == 0
+        and "resumed data" in again.stderr
+        and "resumed training" in again.stderr
+    )
+    with LLM(
+        str(tiny_models["qwen3"]),
+        dtype="float32",
+        speculative_config={"method": "mtp", "draft_weights": str(out)},
+    ) as llm:
+        got = llm.generate(
+            {"prompt_token_ids": [5, 6, 7]},
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            use_tqdm=False,
+        )
+        assert len(got[0].outputs[0].token_ids) == 12 and llm.get_stats()["spec_num_drafts"] > 0

@@ -1,0 +1,90 @@
+"""Rejection sampler: greedy acceptance, seeded determinism, and a statistical
+check that the output follows the target distribution, not the draft's."""
+
+from __future__ import annotations
+
+import torch
+
+from laneserve.sample import sampler
+from laneserve.sample.rejection_sampler import verify
+from laneserve.sample.sampler import RowSampling
+from laneserve.sampling_params import SamplingParams
+
+
+def flat_batch(
+    params: list[SamplingParams], rows: list[int], seeds: list[int | None]
+) -> sampler.SamplingBatch:
+    gens = []
+    for s in seeds:
+        g = None
+        if s is not None:
+            g = torch.Generator()
+            g.manual_seed(s)
+        gens.append(g)
+    shared = torch.Generator()
+    shared.manual_seed(0)
+    b = sampler.prepare(
+        [RowSampling(p, g, 1, [0]) for p, g in zip(params, gens, strict=True)],
+        8,
+        torch.device("cpu"),
+        shared,
+    )
+    return b.expand(rows, torch.tensor(rows))
+
+
+def test_greedy_accepts_while_drafts_match() -> None:
+    # one row, k = 3: target argmax at offsets 0..3 is [5, 6, 1, 4]
+    logits = torch.full((4, 8), -5.0)
+    for j, t in enumerate([5, 6, 1, 4]):
+        logits[j, t] = 5.0
+    b = flat_batch([SamplingParams(temperature=0)], [0, 0, 0, 0], [None])
+    off = torch.arange(4)
+    row = torch.zeros(4, dtype=torch.int64)
+    cases = [
+        ([5, 6, 1], 3, [5, 6, 1, 4]),
+        ([5, 6, 2], 2, [5, 6, 1]),
+        ([7, 6, 1], 0, [5]),
+        ([5, 6, 1], 1, [5, 6]),
+    ]
+    for drafts, valid, expect_prefix in cases[:3]:
+        tokens, acc = verify(logits, b, row, off, torch.tensor([drafts]), torch.tensor([3]))
+        assert acc.tolist() == [valid] and tokens[0, : valid + 1].tolist() == expect_prefix
+    # only 1 real draft in 3 slots: the rest are never accepted (the bonus comes at offset 1)
+    tokens, acc = verify(logits, b, row, off, torch.tensor([[5, 6, 1]]), torch.tensor([1]))
+    assert acc.tolist() == [1] and tokens[0, :2].tolist() == [5, 6]
+
+
+def _first_token_distribution(draft: int, probs: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    logits = probs.log().expand(2, -1).clone()  # offsets 0 (draft slot) and 1 (bonus)
+    params = [SamplingParams(temperature=1.0, seed=seed + i) for i in range(n)]
+    rows = [i for i in range(n) for _ in range(2)]
+    b = flat_batch(params, rows, [seed + i for i in range(n)])
+    flat_logits = logits.repeat(n, 1)
+    flat_row = torch.tensor(rows)
+    flat_off = torch.tensor([0, 1] * n)
+    tokens, acc = verify(
+        flat_logits,
+        b,
+        flat_row,
+        flat_off,
+        torch.full((n, 1), draft),
+        torch.ones(n, dtype=torch.int64),
+    )
+    return torch.bincount(tokens[:, 0], minlength=probs.shape[0]).float() / n, acc
+
+
+def test_output_distribution_is_the_target_not_the_draft() -> None:
+    target = torch.tensor([0.05, 0.4, 0.1, 0.2, 0.05, 0.1, 0.05, 0.05])
+    n = 6000
+    freq, acc = _first_token_distribution(draft=3, probs=target, n=n, seed=100)
+    # the draft is always token 3 (q is one-hot), yet token 3 appears with p = 0.2
+    assert torch.allclose(freq, target, atol=0.02), freq
+    assert abs(acc.float().mean().item() - 0.2) < 0.02  # acceptance = p(draft)
+
+
+def test_seeded_verification_is_deterministic() -> None:
+    target = torch.softmax(torch.randn(8, generator=torch.Generator().manual_seed(3)), -1)
+    a, _ = _first_token_distribution(draft=1, probs=target, n=200, seed=7)
+    b, _ = _first_token_distribution(draft=1, probs=target, n=200, seed=7)
+    c, _ = _first_token_distribution(draft=1, probs=target, n=200, seed=8)
+    assert torch.equal(a, b) and not torch.equal(a, c)

@@ -1,0 +1,218 @@
+"""Speculative decoding end to end: greedy outputs identical across {no spec,
+MTP k=1, MTP k=2, n-gram k=3} x {async on, off}, with drafts made and some
+accepted; known 100% and 0% acceptance; seeded sampling reproducible."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from laneserve import LLM, SamplingParams
+from laneserve.engine_args import EngineArgs
+from laneserve.frontend.engine import LLMEngine
+from tests.tiny_models import build_bigram_model, build_exact_mtp_head, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def bigram(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Path]]:
+    """(model, exact MTP head, half-vocabulary MTP head) per family."""
+    root = tmp_path_factory.mktemp("bigram")
+    out = {}
+    for family in ("llama", "qwen3"):
+        model = build_bigram_model(root / family, family, seed=4)
+        exact = build_exact_mtp_head(model, root / f"{family}-exact.safetensors")
+        half = build_exact_mtp_head(
+            model, root / f"{family}-half.safetensors", list(range(0, 320, 2))
+        )
+        out[family] = (model, exact, half)
+    return out
+
+
+def prompts(n: int, seed: int, lo: int = 3, hi: int = 30) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 320) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def spec(method: str | None, k: int, weights: Path | None = None) -> dict | None:
+    if method is None:
+        return None
+    cfg = {"method": method, "num_speculative_tokens": k}
+    if weights is not None:
+        cfg["draft_weights"] = str(weights)
+    return cfg
+
+
+def drive(
+    model: Path, spec_cfg: dict | None, async_on: bool, work: list, **kw: object
+) -> tuple[list, dict]:
+    """Staggered arrivals through LLMEngine; per request (tokens, finish reason)."""
+    args = EngineArgs(
+        model=str(model),
+        dtype="float32",
+        async_scheduling=async_on,
+        speculative_config=spec_cfg,
+        **kw,
+    )
+    eng = LLMEngine(args.create_config())
+    pending = sorted(enumerate(work), key=lambda x: x[1][0])
+    got: dict[int, list[int]] = {}
+    reason: dict[int, str] = {}
+    step = 0
+    while pending or eng.has_unfinished:
+        while pending and pending[0][1][0] <= step:
+            i, (_, p, sp) = pending.pop(0)
+            eng.add_request(str(i), p, sp)
+            got[i] = []
+        for d in eng.step():
+            i = int(d.state.group_id)
+            assert i not in reason, "output after finish"
+            got[i] += d.token_ids
+            if d.finished:
+                reason[i] = d.state.finish_reason
+        step += 1
+    stats = eng.stats()
+    eng.shutdown()
+    return [(got[i], reason[i]) for i in range(len(work))], stats
+
+
+def workload(model: Path, seed: int) -> list:
+    ps = prompts(6, seed)
+    ps[0] = prompts(1, seed + 100, 36, 40)[0]  # two full blocks: the last request hits them
+    refs = [hf_greedy(model, p, 40) for p in ps]
+    return [
+        (0, ps[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)),
+        (
+            0,
+            ps[1],
+            SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        ),  # max_tokens mid-run
+        (
+            1,
+            ps[2],
+            SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[refs[2][9]]),
+        ),  # stop inside a run
+        (3, ps[3], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)),
+        (4, ps[4], SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)),
+        (6, ps[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)),  # prefix hit
+    ]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_identical_across_the_matrix(bigram: dict, family: str) -> None:
+    model, _, half = bigram[family]
+    work = workload(model, seed=1)
+    base, _ = drive(model, None, False, work)
+    for (_, p, sp), (toks, _) in zip(work, base, strict=True):
+        ref = hf_greedy(model, p, sp.max_tokens)
+        if sp.stop_token_ids:
+            ref = ref[: ref.index(sp.stop_token_ids[0]) + 1]
+        assert toks == ref
+    configs = [("mtp", 1, half), ("mtp", 2, half), ("ngram", 3, None)]
+    for method, k, weights in configs:
+        for async_on in (False, True):
+            got, stats = drive(model, spec(method, k, weights), async_on, work)
+            assert got == base, f"{method} k={k} async={async_on} changed the output"
+            assert stats["spec_num_drafts"] > 0, f"{method} k={k}: no drafts"
+            assert stats["spec_num_accepted"] > 0, (method, k, stats)
+            if method == "mtp":  # the half-vocabulary head must also miss (odd tokens)
+                assert stats["spec_num_accepted"] < stats["spec_num_drafts"], (k, stats)
+            assert stats["prefix_cache_hits"] > 0
+
+
+def test_speculation_with_preemption_matches(bigram: dict) -> None:
+    model, _, half = bigram["llama"]
+    work = [
+        (0, p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        for p in prompts(5, 7, 8, 16)
+    ]
+    small = {"block_size": 4, "num_kv_blocks": 40, "max_model_len": 64}
+    base, _ = drive(model, None, False, work, **small)
+    for async_on in (False, True):
+        got, stats = drive(model, spec("mtp", 2, half), async_on, work, **small)
+        assert got == base and stats["num_preemptions"] > 0 and stats["spec_num_accepted"] > 0
+        assert stats["num_free_blocks"] == 40
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_known_full_acceptance(bigram: dict, async_on: bool) -> None:
+    model, exact, _ = bigram["llama"]
+    work = [
+        (0, p, SamplingParams(temperature=0, max_tokens=31, ignore_eos=True)) for p in prompts(4, 3)
+    ]
+    got, stats = drive(model, spec("mtp", 2, exact), async_on, work)
+    for (_, p, _), (toks, _) in zip(work, got, strict=True):
+        assert toks == hf_greedy(model, p, 31)
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] == stats["spec_num_drafts"]
+    assert stats["spec_acceptance_per_position"] == [1.0, 1.0]
+    # 31 tokens per request: 1 from the prefill, then 3 per step (2 drafts + bonus), the
+    # last step capped by max_tokens: far fewer steps than tokens
+    assert stats["num_steps"] < 4 * 31 / 2
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_known_zero_acceptance(bigram: dict, async_on: bool) -> None:
+    model, _, _ = bigram["qwen3"]
+    work = [
+        (0, p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)) for p in prompts(3, 5)
+    ]
+    refs = [hf_greedy(model, p, 20) for _, p, _ in work]
+    never = next(t for t in range(3, 320) if all(t not in r for r in refs))
+    head = build_exact_mtp_head(model, model.parent / f"never-{never}.safetensors", [never])
+    got, stats = drive(model, spec("mtp", 1, head), async_on, work)
+    assert [t for t, _ in got] == refs
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] == 0
+
+
+def test_ngram_full_acceptance_on_repetition(bigram: dict) -> None:
+    """A bigram model that loops: once the cycle is in the history, every n-gram draft is right."""
+    model, _, _ = bigram["llama"]
+    p = prompts(1, 9)[0]
+    ref = hf_greedy(model, p, 80)
+    got, stats = drive(
+        model,
+        spec("ngram", 3),
+        True,
+        [(0, p, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))],
+    )
+    assert got[0][0] == ref
+    assert stats["spec_num_accepted"] > 0.5 * stats["spec_num_drafts"] > 0
+
+
+def test_seeded_sampling_reproducible_with_speculation(bigram: dict) -> None:
+    model, _, half = bigram["llama"]
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=1234, ignore_eos=True)
+    p = {"prompt_token_ids": prompts(1, 11)[0]}
+    outs = []
+    for _ in range(2):
+        with LLM(str(model), dtype="float32", speculative_config=spec("mtp", 2, half)) as llm:
+            outs.append(
+                llm.generate(
+                    [p, {"prompt_token_ids": [5, 6, 7]}],
+                    [params, SamplingParams(temperature=1.0)],
+                    use_tqdm=False,
+                )[0]
+                .outputs[0]
+                .token_ids
+            )
+            assert llm.get_stats()["spec_num_drafts"] > 0
+    assert outs[0] == outs[1]
+
+
+def test_bad_speculative_configs(bigram: dict, tmp_path: Path) -> None:
+    model, _, _ = bigram["llama"]
+    with pytest.raises(ValueError, match="carries no MTP layer"):
+        LLM(str(model), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(
+            str(model),
+            speculative_config={
+                "method": "mtp",
+                "draft_weights": str(tmp_path / "nope.safetensors"),
+            },
+        )
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(str(model), speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="unknown speculative config keys"):
+        LLM(str(model), speculative_config={"method": "ngram", "k": 2})
