@@ -29,13 +29,28 @@ CONFIGS = {
     "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1},
     "mtp k=2": {"method": "mtp", "num_speculative_tokens": 2},
     "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3},
+    "mtp k=1, disable_by_batch_size=4": {
+        "method": "mtp",
+        "num_speculative_tokens": 1,
+        "disable_by_batch_size": 4,
+    },
 }
 
 
 def measure(
-    spec: dict | None, prompts: list[list[int]], batch: int, max_tokens: int, async_on: bool
+    spec: dict | None,
+    prompts: list[list[int]],
+    batch: int,
+    max_tokens: int,
+    async_on: bool,
+    worker_mode: str,
 ) -> dict:
-    llm = LLM(speculative_config=spec, async_scheduling=async_on, enable_prefix_caching=False)
+    llm = LLM(
+        speculative_config=spec,
+        async_scheduling=async_on,
+        enable_prefix_caching=False,
+        worker_mode=worker_mode,
+    )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
     outs, start = [], time.perf_counter()
@@ -65,8 +80,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--no-async", action="store_true")
+    ap.add_argument("--worker-mode", default="thread", choices=("thread", "process"))
     ns = ap.parse_args()
-    tok = LLM(enable_prefix_caching=False).engine.tokenizer
+    first = LLM(enable_prefix_caching=False)
+    tok = first.engine.tokenizer
+    first.shutdown()  # only its tokenizer is needed
     chat = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT]
     cases = [
         ("chat prompts, batch 1", chat, 1, list(CONFIGS)),
@@ -80,19 +98,22 @@ def main() -> None:
             f"chat prompts x2, {ns.concurrency} concurrent",
             (chat * ns.concurrency)[: ns.concurrency],
             ns.concurrency,
-            ["no speculation", "mtp k=1", "ngram k=3"],
+            ["no speculation", "mtp k=1", "ngram k=3", "mtp k=1, disable_by_batch_size=4"],
         ),
     ]
     rows = []
     for title, prompts, batch, names in cases:
         base = None
-        print(f"\n{title} (async {'off' if ns.no_async else 'on'}, {ns.max_tokens} tokens, greedy)")
+        mode = f"async {'off' if ns.no_async else 'on'}, worker {ns.worker_mode}"
+        print(f"\n{title} ({mode}, {ns.max_tokens} tokens, greedy)")
         print(
             "| config | tok/s | vs none | acceptance | per position | tokens/step | same output |"
         )
         print("|---|---:|---:|---:|---|---:|---|")
         for name in names:
-            r = measure(CONFIGS[name], prompts, batch, ns.max_tokens, not ns.no_async)
+            r = measure(
+                CONFIGS[name], prompts, batch, ns.max_tokens, not ns.no_async, ns.worker_mode
+            )
             base = base or r
             same = r["outputs"] == base["outputs"]
             acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"

@@ -46,6 +46,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     draft_weights: str | None = None  # MTP: separate safetensors file
     prompt_lookup_min: int = 2  # n-gram: shortest suffix to match
     prompt_lookup_max: int = 4  # n-gram: longest suffix to match
+    # no drafts in a step where this many requests are running (vLLM's
+    # speculative_disable_by_batch_size): on a compute-bound device verifying
+    # drafts of a large batch costs more than the accepted tokens save
+    disable_by_batch_size: int | None = None
 
     @staticmethod
     def parse(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -85,6 +89,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}"
             )
         if self.method == "ngram" and self.draft_weights is not None:
             raise ValueError('"draft_weights" only applies to method "mtp"')

@@ -152,3 +152,21 @@ def test_cli_reports_errors_cleanly() -> None:
     assert proc.returncode == 2
     assert "error: model path '/no/such/dir' does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--peers", "hf,bogus"], "unknown peers ['bogus']"),
+        (["--peers", "vllm"], "--peers vllm needs --vllm-python"),
+    ],
+)
+def test_bench_offline_rejects_bad_peers(args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "laneserve.entrypoints.cli", "bench", "offline", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

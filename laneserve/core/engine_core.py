@@ -70,6 +70,7 @@ class EngineCore:
             self.kv,
             ready.max_model_len,
             spec.num_speculative_tokens if spec else 0,
+            spec.disable_by_batch_size if spec else None,
         )
         if stats is not None:
             self.scheduler.stats = stats

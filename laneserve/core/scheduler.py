@@ -73,11 +73,13 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         num_spec_tokens: int = 0,
+        spec_disable_batch: int | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.num_spec_tokens = num_spec_tokens
+        self.spec_disable_batch = spec_disable_batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
@@ -238,6 +240,8 @@ class Scheduler:
     def _num_drafts(self, req: Request) -> int:
         if not self.num_spec_tokens or req.sampling_params.uses_penalties:
             return 0
+        if self.spec_disable_batch is not None and len(self.running) >= self.spec_disable_batch:
+            return 0  # a large batch: verifying drafts costs more than it saves
         if req.handle in self._awaiting_prefill or not req.output_token_ids:
             return 0  # the first speculative decode waits for its prefill result
         return max(0, min(self.num_spec_tokens, req.remaining_output_slots - 1))

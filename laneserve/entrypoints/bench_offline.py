@@ -1,10 +1,16 @@
-"""`laneserve bench offline`: laneserve vs HF transformers `generate`, one run.
+"""`laneserve bench offline`: laneserve vs HF transformers `generate` (and vLLM's
+CPU build where it is installed), one run.
 
 The workload is the peers' (shared/peers/workload.py): prompts are token-id
 windows of a fixed English corpus, every sequence of a case the same length
 (12 or 200 tokens), 128 new tokens, greedy, EOS ignored. For each batch size
 both engines run the same prompts; the table prints output tokens/s and the
-ratio laneserve / HF. Progress goes to stderr, one JSON line to stdout.
+ratio laneserve / peer. Progress goes to stderr, one JSON line to stdout.
+
+The `vllm` peer runs `peer_vllm.py` under the interpreter given by
+`--vllm-python` (vLLM lives in its own environment) on the same converted
+checkpoint directory, the same token-id prompts and the same settings
+(bf16, greedy, EOS ignored, prefix caching off).
 """
 
 from __future__ import annotations
@@ -12,12 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
 from laneserve.entrypoints.workload import NEW_TOKENS, corpus_ids, prompt_token_ids
+
+PEERS = ("hf", "hf-fp32", "vllm", "vllm-fp32")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,8 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cases", default="short")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--peers", default="hf", help="comma list: hf, hf-fp32, none")
+    p.add_argument("--peers", default="hf", help="comma list: hf, hf-fp32, vllm, vllm-fp32, none")
     p.add_argument("--hf-dtype", default="bfloat16")
+    p.add_argument("--vllm-python", default=None, help="python of an environment with vLLM")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 
@@ -43,6 +54,11 @@ def run(ns: argparse.Namespace) -> int:
     batches = [int(b) for b in ns.batches.split(",")]
     cases = ns.cases.split(",")
     peers = [p for p in ns.peers.split(",") if p and p != "none"]
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        raise ValueError(f"unknown peers {sorted(unknown)}: choose from {', '.join(PEERS)}, none")
+    if any(p.startswith("vllm") for p in peers) and not ns.vllm_python:
+        raise ValueError("--peers vllm needs --vllm-python PATH (the python of vLLM's environment)")
     args = EngineArgs.from_cli(ns)
     args.enable_prefix_caching = False  # repeats must not hit the cache
     args.max_num_seqs = max(args.max_num_seqs, max(batches))
@@ -77,8 +93,12 @@ def run(ns: argparse.Namespace) -> int:
     llm.shutdown()
     del llm
     for peer in peers:
-        dtype = "float32" if peer == "hf-fp32" else ns.hf_dtype
-        rows += _run_hf(model_dir, dtype, jobs, ids, ns.new_tokens, ns.repeats, peer)
+        dtype = "float32" if peer.endswith("-fp32") else ns.hf_dtype
+        if peer.startswith("vllm"):
+            vllm = (ns.vllm_python, peer, dtype)
+            rows += _run_vllm(vllm, model_dir, jobs, ids, ns.new_tokens, ns.repeats)
+        else:
+            rows += _run_hf(model_dir, dtype, jobs, ids, ns.new_tokens, ns.repeats, peer)
     _print_table(rows, peers)
     print(json.dumps({"bench": "offline", "rows": rows, "laneserve_stats": stats}))
     return 0
@@ -121,6 +141,29 @@ def _run_hf(
             }
         )
     return rows
+
+
+def _run_vllm(
+    vllm: tuple[str, str, str], model_dir: str, jobs: list, ids: list[int], n: int, repeats: int
+) -> list[dict]:
+    python, name, dtype = vllm
+    script = Path(__file__).with_name("peer_vllm.py")
+    job = {
+        "name": name,
+        "dtype": dtype,
+        "model": model_dir,
+        "new_tokens": n,
+        "repeats": repeats,
+        "max_model_len": 512,
+        "jobs": [{"case": c, "batch": b, "prompts": prompt_token_ids(ids, c, b)} for c, b in jobs],
+    }
+    print(f"vllm: {python} {script.name} ({len(jobs)} cases)", file=sys.stderr)
+    proc = subprocess.run(
+        [python, str(script)], input=json.dumps(job), stdout=subprocess.PIPE, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the vLLM peer failed (exit code {proc.returncode}); see its log above")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _print_table(rows: list[dict], peers: list[str]) -> None:

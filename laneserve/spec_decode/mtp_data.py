@@ -144,6 +144,28 @@ OPENINGS = [
 ]
 
 
+# Held-out prompts share neither topic nor template with the training prompts:
+# accuracy on them estimates the acceptance on prompts the head never saw.
+HELDOUT_TOPICS = [
+    "glaciers", "owls", "autumn rain", "submarines", "jazz", "deserts", "bicycles",
+    "the printing press", "octopuses", "wind turbines", "sourdough bread", "comets",
+    "libraries", "marathons", "coral reefs", "typewriters",
+]  # fmt: skip
+HELDOUT_TEMPLATES = [
+    "Tell me something surprising about {t}.",
+    "Write a paragraph for a school textbook about {t}.",
+    "How do {t} affect everyday life?",
+    "Compare {t} with something similar and explain the differences.",
+]
+
+
+def heldout_prompts(limit: int) -> list[tuple[str, bool]]:
+    pairs = [
+        (tpl.format(t=t), True) for t, tpl in itertools.product(HELDOUT_TOPICS, HELDOUT_TEMPLATES)
+    ]
+    return pairs[:limit]
+
+
 def training_prompts(limit: int) -> list[tuple[str, bool]]:
     """(text, is_chat) pairs: chat instructions and raw-text openings, interleaved."""
     chat = [(tpl.format(t=t), True) for tpl, t in itertools.product(TEMPLATES, TOPICS)]
@@ -174,7 +196,9 @@ class HiddenTap:
             self.rows.setdefault(handles[row], {})[p] = h[t]
 
 
-def generate_samples(llm, num_prompts: int, max_new_tokens: int, batch: int) -> list[Sample]:
+def generate_samples(
+    llm, prompts: list[tuple[str, bool]], max_new_tokens: int, batch: int, desc: str
+) -> list[Sample]:
     """Greedy generations of the base model with their hidden states."""
     from laneserve.sampling_params import SamplingParams
 
@@ -183,12 +207,9 @@ def generate_samples(llm, num_prompts: int, max_new_tokens: int, batch: int) -> 
     tap = HiddenTap()
     runner.capture = tap
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
-    prompts = training_prompts(num_prompts)
     samples: list[Sample] = []
     try:
-        for start in tqdm(
-            range(0, len(prompts), batch), desc="generating (self-distillation)", unit="batch"
-        ):
+        for start in tqdm(range(0, len(prompts), batch), desc=desc, unit="batch"):
             chunk = prompts[start : start + batch]
             ids = [
                 tok.apply_chat_template([{"role": "user", "content": text}])

@@ -11,7 +11,9 @@ at inference. The decoder layer starts from the base model's last layer.
 Resumable: data and checkpoints live in `<out>.work/`; `--resume` continues
 from the last checkpoint. The export is bf16 safetensors with DeepSeek-V3
 names (`model.layers.{L}.*`) plus `draft_vocab`, and metadata recording how
-it was trained and its held-out top-1 accuracy (= greedy k=1 acceptance).
+it was trained, its top-1 accuracy on sequences from held-out prompts (topics
+and templates the training prompts do not use; = greedy k=1 acceptance there)
+and on as many training sequences (the gap shows overfitting).
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from laneserve.spec_decode.mtp_data import Sample, generate_samples
+from laneserve.spec_decode.mtp_data import (
+    Sample,
+    generate_samples,
+    heldout_prompts,
+    training_prompts,
+)
 from laneserve.spec_decode.mtp_module import MtpTrainModule
 
 log = logging.getLogger(__name__)
@@ -45,7 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=8192, help="0: the full vocabulary")
-    p.add_argument("--holdout", type=float, default=0.05)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument(
+        "--holdout", type=int, default=32, help="sequences from unseen prompts to measure top-1 on"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--dtype", default="auto")
@@ -67,25 +77,18 @@ def run(ns: argparse.Namespace) -> int:
         enable_prefix_caching=False,
         max_num_seqs=ns.gen_batch,
     )
-    data_file = work / "data.pt"
-    if ns.resume and data_file.exists():
-        samples = [Sample(**d) for d in torch.load(data_file)]
-        log.info("resumed data: %d sequences", len(samples))
-    else:
-        samples = generate_samples(llm, ns.num_prompts, ns.max_new_tokens, ns.gen_batch)
-        torch.save([s.__dict__ for s in samples], data_file)
+    samples = _data(llm, work / "data.pt", training_prompts(ns.num_prompts), ns, "training")
+    held = _data(llm, work / "heldout.pt", heldout_prompts(ns.holdout), ns, "held-out")
     gen_s = time.perf_counter() - start
     worker = llm.engine.client.worker
     module = MtpTrainModule.from_base(worker.ckpt, worker.model)
     vocab = draft_vocabulary(samples, ns.draft_vocab, worker.ckpt.arch.vocab_size)
     module.set_draft_vocab(vocab)
     llm.shutdown()
-    rng = random.Random(ns.seed)
-    rng.shuffle(samples)
-    n_hold = max(1, int(len(samples) * ns.holdout))
-    held, train = samples[:n_hold], samples[n_hold:]
+    train = samples
     train_loop(module, train, ns, work)
     acc = accuracy(module, held)
+    train_acc = accuracy(module, train[: len(held)])
     meta = {
         "base_model": worker.ckpt.known_name or worker.ckpt.source,
         "hidden_size": str(worker.ckpt.arch.hidden_size),
@@ -93,7 +96,8 @@ def run(ns: argparse.Namespace) -> int:
         "trained_positions": str(sum(_num_targets(s) for s in train)),
         "draft_vocab": str(len(vocab)),
         "draft_vocab_coverage": f"{coverage(samples, vocab):.4f}",
-        "heldout_top1": f"{acc:.4f}",
+        "heldout_top1": f"{acc:.4f}",  # unseen prompts (topics and templates)
+        "train_top1": f"{train_acc:.4f}",  # as many training sequences: the overfitting gap
         "epochs": str(ns.epochs),
         "generation_s": f"{gen_s:.0f}",
         "total_s": f"{time.perf_counter() - start:.0f}",
@@ -107,6 +111,20 @@ def run(ns: argparse.Namespace) -> int:
     module.export(out, meta)
     print(json.dumps({"out": str(out), **meta}))
     return 0
+
+
+def _data(
+    llm: object, path: Path, prompts: list[tuple[str, bool]], ns: argparse.Namespace, name: str
+) -> list[Sample]:
+    if ns.resume and path.exists():
+        samples = [Sample(**d) for d in torch.load(path)]
+        log.info("resumed %s data: %d sequences", name, len(samples))
+        return samples
+    samples = generate_samples(
+        llm, prompts, ns.max_new_tokens, ns.gen_batch, f"generating {name} data (self-distillation)"
+    )
+    torch.save([s.__dict__ for s in samples], path)
+    return samples
 
 
 def _num_targets(s: Sample) -> int:
@@ -159,7 +177,7 @@ def train_loop(
 ) -> None:
     rng = random.Random(ns.seed)
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=ns.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=ns.lr, weight_decay=ns.weight_decay)
     steps_per_epoch = math.ceil(len(train) / ns.batch_size)
     total = max(1, int(steps_per_epoch * ns.epochs))
     step = 0

@@ -80,7 +80,7 @@ def test_train_mtp_cli_resumes_and_produces_a_working_head(
     )
     assert (
         again.returncode == 0
-        and "resumed data" in again.stderr
+        and "resumed training data" in again.stderr
         and "resumed training" in again.stderr
     )
     with LLM(

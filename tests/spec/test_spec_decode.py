@@ -216,3 +216,20 @@ def test_bad_speculative_configs(bigram: dict, tmp_path: Path) -> None:
         LLM(str(model), speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="unknown speculative config keys"):
         LLM(str(model), speculative_config={"method": "ngram", "k": 2})
+    with pytest.raises(ValueError, match="disable_by_batch_size must be >= 1"):
+        LLM(str(model), speculative_config={"method": "ngram", "disable_by_batch_size": 0})
+
+
+def test_disable_by_batch_size_pauses_drafts_in_large_batches(bigram: dict) -> None:
+    model, _, half = bigram["llama"]
+    ps = prompts(4, 11)
+    work = [(0, ps[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))] + [
+        (0, p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) for p in ps[1:]
+    ]
+    base, _ = drive(model, None, True, work)
+    full, full_stats = drive(model, spec("mtp", 2, half), True, work)
+    limited_cfg = {**spec("mtp", 2, half), "disable_by_batch_size": 2}
+    limited, stats = drive(model, limited_cfg, True, work)
+    assert full == base and limited == base
+    # drafts only once the short requests are gone (one request left running)
+    assert 0 < stats["spec_num_drafts"] < full_stats["spec_num_drafts"]
