@@ -170,3 +170,21 @@ def test_bench_offline_rejects_bad_peers(args: list[str], message: str) -> None:
     )
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--holdout", "100"], "--holdout must be in [1, 64], got 100"),
+        (["--num-prompts", "0"], "--num-prompts must be in [1, 1800], got 0"),
+    ],
+)
+def test_train_mtp_rejects_bad_counts(tmp_path: Path, args: list[str], message: str) -> None:
+    out = str(tmp_path / "head.safetensors")
+    proc = subprocess.run(
+        [sys.executable, "-m", "laneserve.entrypoints.cli", "train-mtp", "--out", out, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -65,6 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(ns: argparse.Namespace) -> int:
     from laneserve import LLM
 
+    _check_counts(ns)
     torch.manual_seed(ns.seed)
     out = Path(ns.out)
     work = out.with_name(out.name + ".work")
@@ -111,6 +112,14 @@ def run(ns: argparse.Namespace) -> int:
     module.export(out, meta)
     print(json.dumps({"out": str(out), **meta}))
     return 0
+
+
+def _check_counts(ns: argparse.Namespace) -> None:
+    most_train, most_held = len(training_prompts(10**9)), len(heldout_prompts(10**9))
+    if not 1 <= ns.num_prompts <= most_train:
+        raise ValueError(f"--num-prompts must be in [1, {most_train}], got {ns.num_prompts}")
+    if not 1 <= ns.holdout <= most_held:
+        raise ValueError(f"--holdout must be in [1, {most_held}], got {ns.holdout}")
 
 
 def _data(
