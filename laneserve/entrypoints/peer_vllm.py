@@ -4,6 +4,7 @@ Standalone on purpose (stdlib + vllm only; laneserve is not installed in
 vLLM's environment): `bench offline --peers vllm --vllm-python PY` starts
 `PY peer_vllm.py`, writes the job as JSON to its stdin and reads one JSON
 line (the result rows) from its stdout. vLLM's own logs go to stderr.
+Run it as a script only: importing it redirects the process's stdout.
 
 Job: {"model": dir, "dtype": "bfloat16" | "float32", "new_tokens": n, "repeats": r, "max_model_len": m,
       "jobs": [{"case": c, "batch": b, "prompts": [[ids...], ...]}, ...]}
