@@ -64,6 +64,18 @@ def test_default_model_chat_answers(llm: LLM) -> None:
     assert "Paris" in out.text and out.finish_reason == "stop"
 
 
+@pytest.fixture(scope="module")
+def spec_reference(llm: LLM) -> tuple[list[dict], list[list[int]]]:
+    """Prompts for the speculation cases and their no-speculation greedy outputs (once)."""
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    prompts.append(llm.engine.tokenizer.apply_chat_template(CHAT))
+    prompts.append(tok.encode("Repeat after me: one two three four, one two three four,"))
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    return batch, [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+
+
 @pytest.mark.parametrize(
     ("spec", "async_on"),
     [
@@ -72,15 +84,12 @@ def test_default_model_chat_answers(llm: LLM) -> None:
         ({"method": "ngram", "num_speculative_tokens": 3}, True),
     ],
 )
-def test_default_model_speculation_is_exact(llm: LLM, spec: dict, async_on: bool) -> None:
+def test_default_model_speculation_is_exact(
+    spec_reference: tuple[list[dict], list[list[int]]], spec: dict, async_on: bool
+) -> None:
     """The shipped MTP head (and n-gram drafts) leave greedy output unchanged."""
-    tok = llm.get_tokenizer()
-    prompts = [tok.encode(p) for p in PROMPTS]
-    prompts.append(llm.engine.tokenizer.apply_chat_template(CHAT))
-    prompts.append(tok.encode("Repeat after me: one two three four, one two three four,"))
-    batch = [{"prompt_token_ids": p} for p in prompts]
+    batch, base = spec_reference
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
-    base = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     spec_llm = LLM(dtype="float32", speculative_config=spec, async_scheduling=async_on)
     try:
         outs = spec_llm.generate(batch, params, use_tqdm=False)
