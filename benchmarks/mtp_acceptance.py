@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from laneserve import LLM, SamplingParams
-from laneserve.spec_decode.mtp_data import heldout_prompts, training_prompts
+from laneserve.spec_decode.mtp_data import heldout_prompts, prompt_ids, training_prompts
 
 CHAT = [
     "Explain why the sky is blue.",
@@ -45,14 +45,7 @@ def main() -> None:
     print("| prompts | drafts | accepted | acceptance |\n|---|---:|---:|---:|")
     for name, prompts in sets.items():
         before = llm.get_stats()
-        batch = [
-            {
-                "prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": text}])
-                if chat
-                else tok.encode(text)
-            }
-            for text, chat in prompts
-        ]
+        batch = [{"prompt_token_ids": prompt_ids(tok, text, chat)} for text, chat in prompts]
         llm.generate(batch, params, use_tqdm=False)
         after = llm.get_stats()
         drafts = after["spec_num_drafts"] - before["spec_num_drafts"]

@@ -174,6 +174,13 @@ def training_prompts(limit: int) -> list[tuple[str, bool]]:
     return mixed[:limit]
 
 
+def prompt_ids(tok, text: str, chat: bool) -> list[int]:
+    """A (text, is_chat) prompt as token ids: a user turn in the chat template, or raw text."""
+    return (
+        tok.apply_chat_template([{"role": "user", "content": text}]) if chat else tok.encode(text)
+    )
+
+
 @dataclass
 class Sample:
     tokens: list[int]  # prompt + generated output
@@ -211,12 +218,7 @@ def generate_samples(
     try:
         for start in tqdm(range(0, len(prompts), batch), desc=desc, unit="batch"):
             chunk = prompts[start : start + batch]
-            ids = [
-                tok.apply_chat_template([{"role": "user", "content": text}])
-                if chat
-                else tok.encode(text)
-                for text, chat in chunk
-            ]
+            ids = [prompt_ids(tok, text, chat) for text, chat in chunk]
             handles_before = set(tap.rows)
             outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
             new_handles = sorted(set(tap.rows) - handles_before)
