@@ -219,7 +219,9 @@ def decode_step(kern, layers: list[Layer], lm_head: PackedWeight, bt, sl, cache)
     return kern.linear(hidden, lm_head)
 
 
-def bench_decode(ck: CpuKernels, tk: TorchKernels, bursts: int, ctx: int) -> None:
+def bench_decode(
+    ck: CpuKernels, tk: TorchKernels, bursts: int, ctx: int, batches: list[int]
+) -> None:
     print(f"\n30-layer decode step (context {ctx}, bf16 KV cache; ms per step)")
     cache = torch.randn(4096, HEAD_DIM)
     configs = [
@@ -227,10 +229,10 @@ def bench_decode(ck: CpuKernels, tk: TorchKernels, bursts: int, ctx: int) -> Non
         ("ours fp32 weights", ck, torch.float32),
         ("torch fallback (fp32)", tk, torch.bfloat16),
     ]
-    print(f"{'impl':<24}" + "".join(f"{'M=' + str(m):>10}" for m in (1, 8, 32)))
+    print(f"{'impl':<24}" + "".join(f"{'M=' + str(m):>10}" for m in batches))
     for label, kern, dtype in configs:
         cells = []
-        for m in (1, 8, 32):
+        for m in batches:
             layers, lm_head, bt, sl = build_model(kern, dtype, m, ctx)
             reps = max(2, bursts // (2 if kern is tk else 1))
             step = partial(decode_step, kern, layers, lm_head, bt, sl, cache)
@@ -244,7 +246,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, no decode")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--only", choices=["linear", "attention", "small", "decode"])
+    parser.add_argument(
+        "--batches",
+        default="1,8,32",
+        help="comma-separated M (rows) for the linear and decode tables; 1,2,3 shows what a "
+        "k=1 / k=2 verify step costs over a plain decode",
+    )
     args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if not batches or min(batches) < 1:
+        parser.error("--batches needs positive integers")
     if args.threads:
         torch.set_num_threads(args.threads)
     lib = load_kernels()
@@ -255,7 +266,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {bursts}")
     if args.only in (None, "linear"):
-        rows = [Row(n, m, bench_linear(ck, n, m, bursts)) for n in LINEARS for m in (1, 8, 32)]
+        rows = [Row(n, m, bench_linear(ck, n, m, bursts)) for n in LINEARS for m in batches]
         print_linear_table(rows)
     if args.only in (None, "attention"):
         bench_attention(ck, tk, bursts)
@@ -263,7 +274,7 @@ def main() -> None:
         bench_small_ops(ck, tk, bursts)
     if args.only == "decode" or (args.only is None and not args.quick):
         for ctx in (140, 1024):
-            bench_decode(ck, tk, bursts, ctx)
+            bench_decode(ck, tk, bursts, ctx, batches)
 
 
 if __name__ == "__main__":
