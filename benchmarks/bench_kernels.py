@@ -253,8 +253,11 @@ def main() -> None:
         "k=1 / k=2 verify step costs over a plain decode",
     )
     args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    if not batches or min(batches) < 1:
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        parser.error(f"--batches needs comma-separated integers, got {args.batches!r}")
+    if min(batches) < 1:
         parser.error("--batches needs positive integers")
     if args.threads:
         torch.set_num_threads(args.threads)
