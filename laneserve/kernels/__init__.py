@@ -45,6 +45,9 @@ BATCH_INVARIANT_MAX_M = 64
 PACK_BLOCK_N = 16
 
 LAYOUT_BLOCKED = "blocked16"  # CpuKernels: [ceil(N/16), K, 16], zero padded
+LAYOUT_BLOCKED_512 = "blocked16-avx512"  # the same; bf16 as row pairs, K padded to even
+_ISA_CODE = {"avx2": 0, "avx512": 1}  # cpu_ops.cpp kIsaAvx2 / kIsaAvx512
+_ISA_LAYOUT = {"avx2": LAYOUT_BLOCKED, "avx512": LAYOUT_BLOCKED_512}
 LAYOUT_TORCH = "torch"  # TorchKernels: plain [N, K] for F.linear (fp32 on CPU)
 
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -199,7 +202,8 @@ def _gather_kv(
 
 
 class CpuKernels:
-    """AVX2/FMA/F16C kernels from the C++ extension (CPU tensors, float32 activations).
+    """AVX2/FMA/F16C kernels from the C++ extension (CPU tensors, float32 activations);
+    ``linear`` has an AVX-512 variant, picked at load (``lib.isa``), with the same results.
 
     Weights (linear) and KV caches may be float32, bfloat16 or float16; all arithmetic is
     fp32. Batch invariant as described in the module docstring, except paged_attention
@@ -221,11 +225,13 @@ class CpuKernels:
         self._paged_attention = ops.paged_attention
         self._write_kv_cache = ops.write_kv_cache
         self._fallback = TorchKernels()
+        self.isa = lib.isa  # linear's instruction set; both give the same bits
+        self._isa = _ISA_CODE[lib.isa]
 
     def pack_linear_weight(self, w: torch.Tensor) -> PackedWeight:
         _check_weight(w)
-        data = self._pack(w.detach())
-        return PackedWeight(data, w.shape[0], w.shape[1], w.dtype, LAYOUT_BLOCKED)
+        data = self._pack(w.detach(), self._isa)
+        return PackedWeight(data, w.shape[0], w.shape[1], w.dtype, _ISA_LAYOUT[self.isa])
 
     def linear(
         self,
@@ -233,7 +239,7 @@ class CpuKernels:
         w: PackedWeight,
         bias: torch.Tensor | None = None,  # [N] float32
     ) -> torch.Tensor:  # [M, N] float32
-        return self._linear(x, w.data, w.out_features, bias)
+        return self._linear(x, w.data, w.out_features, bias, self._isa)
 
     def rms_norm(
         self,

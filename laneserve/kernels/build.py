@@ -13,6 +13,7 @@ holding them, or ``None`` when the kernels cannot be used on this machine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -33,7 +34,10 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 DISABLE_ENV = "LANESERVE_DISABLE_KERNELS"
 CACHE_ENV = "LANESERVE_CACHE_DIR"
+ISA_ENV = "LANESERVE_KERNEL_ISA"
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw"})
+ISAS = ("avx2", "avx512")
 
 # NOTE: -ffp-contract=off: the kernels place every FMA explicitly; letting the compiler
 # contract a*b+c elsewhere would make scalar tails differ from vector bodies and from
@@ -62,6 +66,7 @@ class KernelLib:
     library_path: str
     build_seconds: float
     ops: Any  # torch.ops.laneserve namespace
+    isa: str = "avx2"  # linear's instruction set: "avx2" | "avx512" (see linear_isa)
 
     def op(self, name: str) -> Any:
         return getattr(self.ops, name)
@@ -73,20 +78,42 @@ def cache_root() -> Path:
     return base / "torch_extensions"
 
 
-def cpu_supported() -> bool:
-    """True on x86-64 CPUs with AVX2, FMA and F16C."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, or None where it cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return all(flag in flags for flag in REQUIRED_CPU_FLAGS)
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return None
+
+
+def cpu_supported() -> bool:
+    """True on x86-64 CPUs with AVX2, FMA and F16C."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    flags = cpu_flags()
+    if flags is not None:
+        return all(flag in flags for flag in REQUIRED_CPU_FLAGS)
     # No /proc/cpuinfo: torch's dispatch level implies AVX2 (+FMA/F16C on all such CPUs).
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def linear_isa() -> str:
+    """Instruction set for ``linear``: "avx512" where the CPU has AVX-512 F+BW, else "avx2".
+
+    ``LANESERVE_KERNEL_ISA=avx2`` forces the AVX2 path (both give the same bits).
+    """
+    want = os.environ.get(ISA_ENV, "").strip().lower()
+    if want not in ("", *ISAS):
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}, got {want!r}")
+    flags = cpu_flags() or set()
+    has_512 = flags >= AVX512_CPU_FLAGS
+    if want == "avx512" and not has_512:
+        raise ValueError(f"{ISA_ENV}=avx512 but this CPU lacks {', '.join(AVX512_CPU_FLAGS)}")
+    return want or ("avx512" if has_512 else "avx2")
 
 
 def extension_name(source_text: str) -> str:
@@ -192,8 +219,10 @@ def load_kernels() -> KernelLib | None:
     if not cpu_supported():
         _warn_once("CPU lacks avx2/fma/f16c (or is not x86-64): using torch fallback kernels")
         return None
+    isa = linear_isa()
     name = extension_name(SOURCE.read_text(encoding="utf-8"))
-    return _build_and_load(name, str(cache_root() / name))
+    lib = _build_and_load(name, str(cache_root() / name))
+    return dataclasses.replace(lib, isa=isa) if lib is not None else None
 
 
 @functools.cache

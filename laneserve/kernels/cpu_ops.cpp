@@ -302,7 +302,158 @@ void linear_driver(const LinearArgs& a, const W* w) {
   });
 }
 
-at::Tensor pack_linear_weight(const at::Tensor& w) {
+// ----------------------------------------------------------------------------
+// linear, AVX-512 variant (picked at run time by the caller: isa = kIsaAvx512)
+// ----------------------------------------------------------------------------
+//
+// One 16-column block is one zmm, so each (row, block) is one accumulator and
+// the weights of a k row need no split. fp32 and fp16 use the AVX2 layout
+// (fp16 unpermuted); bf16 uses a pair layout: K is padded to even and each
+// 64 B holds k rows 2j and 2j+1 of a block as 4 lanes of
+// [row 2j cols 4L..4L+3, row 2j+1 cols 4L..4L+3], so unpacklo/hi_epi16(zero, v)
+// give both rows as fp32 in column order (one shuffle per 16 weights).
+// NOTE (invariance): each output element is still one fp32 FMA chain over
+// k = 0..K-1 from 0, then + bias, so this path gives the AVX2 path's bits.
+
+constexpr int64_t kIsaAvx2 = 0;
+constexpr int64_t kIsaAvx512 = 1;
+constexpr int64_t kGroup512 = 8;  // blocks walked together per row tile when M > 6
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw")
+
+inline __m512 load_w16_512(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_w16_512(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename W, int R, int C>
+void linear_tile512(const LinearArgs& a, const W* wblk, int64_t m0, int64_t b0) {
+  constexpr bool kPair = std::is_same_v<W, at::BFloat16>;
+  const int64_t K = a.K;
+  const int64_t wstride = (kPair ? K + (K & 1) : K) * kNB;
+  const float* x = a.x + m0 * K;
+  const W* w = wblk + b0 * wstride;
+  constexpr int64_t kPf = kPrefetchBytes / (kNB * static_cast<int64_t>(sizeof(W)));  // k rows
+
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+
+  if constexpr (kPair) {
+    const __m512i z = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+      for (int c = 0; c < C; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(w + c * wstride + (k + kPf) * kNB),
+                     _MM_HINT_T0);
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(w + c * wstride + k * kNB);
+        const __m512 lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, v));
+        const __m512 hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, v));
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), lo, acc[r][c]);
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + 1]), hi, acc[r][c]);
+      }
+    }
+    if (k < K) {  // odd K: the last row's pair partner is zero padding, never used
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(w + c * wstride + k * kNB);
+        const __m512 lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, v));
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), lo, acc[r][c]);
+      }
+    }
+  } else {
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < K; ++k) {
+      for (int c = 0; c < C; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(w + c * wstride + (k + kPf) * kNB),
+                     _MM_HINT_T0);
+      for (int c = 0; c < C; ++c) {
+        const __m512 wv = load_w16_512(w + c * wstride + k * kNB);
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), wv, acc[r][c]);
+      }
+    }
+  }
+
+  for (int c = 0; c < C; ++c) {
+    const int64_t n0 = (b0 + c) * kNB;
+    const int64_t valid = std::min<int64_t>(kNB, a.N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = a.bias ? _mm512_add_ps(acc[r][c], b) : acc[r][c];
+      _mm512_mask_storeu_ps(a.out + (m0 + r) * a.N + n0, mask, v);
+    }
+  }
+}
+
+// Blocks per tile: >= 8 independent FMA chains, accumulators + broadcasts
+// within the 32 zmm registers.
+template <int R>
+constexpr int cols_for_rows512() {
+  return R == 1 ? 8 : (R <= 4 ? 4 : 2);
+}
+
+template <typename W, int R>
+void linear_row_tile512(const LinearArgs& a, const W* w, int64_t m0, int64_t b0, int64_t b1) {
+  constexpr int C = cols_for_rows512<R>();
+  int64_t b = b0;
+  for (; b + C <= b1; b += C) linear_tile512<W, R, C>(a, w, m0, b);
+  for (; b < b1; ++b) linear_tile512<W, R, 1>(a, w, m0, b);
+}
+
+template <typename W>
+void linear_rows512(const LinearArgs& a, const W* w, int64_t m0, int rows, int64_t b0,
+                    int64_t b1) {
+  switch (rows) {
+    case 1: return linear_row_tile512<W, 1>(a, w, m0, b0, b1);
+    case 2: return linear_row_tile512<W, 2>(a, w, m0, b0, b1);
+    case 3: return linear_row_tile512<W, 3>(a, w, m0, b0, b1);
+    case 4: return linear_row_tile512<W, 4>(a, w, m0, b0, b1);
+    case 5: return linear_row_tile512<W, 5>(a, w, m0, b0, b1);
+    default: return linear_row_tile512<W, 6>(a, w, m0, b0, b1);
+  }
+}
+
+template <typename W>
+void linear_range512(const LinearArgs& a, const W* w, int64_t lo, int64_t hi) {
+  // one row tile: the whole range at once (no weight reuse to group for)
+  const int64_t step = a.M <= kMaxRows ? hi - lo : kGroup512;
+  for (int64_t g = lo; g < hi; g += step) {
+    const int64_t ge = std::min(g + step, hi);
+    for (int64_t m0 = 0; m0 < a.M; m0 += kMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.M - m0));
+      linear_rows512<W>(a, w, m0, rows, g, ge);
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+template <typename W>
+void linear_driver512(const LinearArgs& a, const W* w) {
+  const int64_t nblk = (a.N + kNB - 1) / kNB;
+  const int64_t per_block = std::max<int64_t>(1, a.M * a.K * kNB);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_block);
+  at::parallel_for(0, nblk, grain,
+                   [&](int64_t lo, int64_t hi) { linear_range512<W>(a, w, lo, hi); });
+}
+
+// bf16 [nblk, K, 16] (column order) -> the AVX-512 pair layout [nblk, K + K % 2, 16].
+at::Tensor pair_layout_bf16(const at::Tensor& packed) {
+  const int64_t nblk = packed.size(0), K = packed.size(1), Kp = K + (K & 1);
+  at::Tensor p = packed;
+  if (Kp != K) p = at::cat({p, at::zeros({nblk, 1, kNB}, p.options())}, 1);
+  // [nblk, Kp/2, row, lane, 4] -> [nblk, Kp/2, lane, row, 4]
+  return p.view({nblk, Kp / 2, 2, 4, 4}).permute({0, 1, 3, 2, 4}).contiguous().view({nblk, Kp, kNB});
+}
+
+at::Tensor pack_linear_weight(const at::Tensor& w, int64_t isa) {
+  TORCH_CHECK(isa == kIsaAvx2 || isa == kIsaAvx512, "pack_linear_weight: unknown isa ", isa);
   TORCH_CHECK(w.dim() == 2, "pack_linear_weight: expected a 2-D [N, K] weight");
   const auto dt = w.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
@@ -312,6 +463,7 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
   at::Tensor padded = at::zeros({nblk * kNB, K}, w.options().device(at::kCPU));
   padded.narrow(0, 0, N).copy_(w);
   at::Tensor packed = padded.view({nblk, kNB, K}).transpose(1, 2);  // [nblk, K, 16]
+  if (dt == at::kBFloat16 && isa == kIsaAvx512) return pair_layout_bf16(packed.contiguous());
   if (dt == at::kBFloat16) {
     at::Tensor perm = at::empty({kNB}, at::kLong);
     for (int i = 0; i < kNB; ++i) perm[i] = kBf16Perm[i];
@@ -321,14 +473,17 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
 }
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
-                  const std::optional<at::Tensor>& bias_in) {
+                  const std::optional<at::Tensor>& bias_in, int64_t isa) {
+  TORCH_CHECK(isa == kIsaAvx2 || isa == kIsaAvx512, "linear: unknown isa ", isa);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
               "linear: x must be a 2-D float32 tensor");
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kNB && w.is_contiguous(),
               "linear: w must come from pack_linear_weight");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(w.size(1) == K, "linear: in_features mismatch: x has ", K, ", weight ", w.size(1));
+  const bool pair = isa == kIsaAvx512 && w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(w.size(1) == (pair ? K + (K & 1) : K), "linear: in_features mismatch: x has ", K,
+              ", weight ", w.size(1));
   TORCH_CHECK(n_out > (w.size(0) - 1) * kNB && n_out <= w.size(0) * kNB,
               "linear: out_features inconsistent with the packed weight");
   at::Tensor bias;
@@ -341,6 +496,15 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
   if (M == 0 || n_out == 0) return out;
   const LinearArgs a{x.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
                      out.data_ptr<float>(), M, K, n_out};
+  if (isa == kIsaAvx512) {
+    switch (w.scalar_type()) {
+      case at::kFloat: linear_driver512<float>(a, w.data_ptr<float>()); break;
+      case at::kBFloat16: linear_driver512<at::BFloat16>(a, w.data_ptr<at::BFloat16>()); break;
+      case at::kHalf: linear_driver512<at::Half>(a, w.data_ptr<at::Half>()); break;
+      default: TORCH_CHECK(false, "linear: unsupported weight dtype");
+    }
+    return out;
+  }
   switch (w.scalar_type()) {
     case at::kFloat: linear_driver<float>(a, w.data_ptr<float>()); break;
     case at::kBFloat16: linear_driver<at::BFloat16>(a, w.data_ptr<at::BFloat16>()); break;
@@ -1087,8 +1251,8 @@ void write_kv_cache(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& 
 }  // namespace laneserve
 
 TORCH_LIBRARY(laneserve, m) {
-  m.def("pack_linear_weight(Tensor w) -> Tensor");
-  m.def("linear(Tensor x, Tensor w, int out_features, Tensor? bias) -> Tensor");
+  m.def("pack_linear_weight(Tensor w, int isa) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, int out_features, Tensor? bias, int isa) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def(

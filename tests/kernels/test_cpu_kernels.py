@@ -6,6 +6,7 @@ TorchKernels tests also run on CUDA when it is available.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -119,6 +120,42 @@ def test_linear_batch_invariance(ck: CpuKernels, dtype) -> None:
     out = ck.linear(batch, pw, bias)
     for r in range(33):
         assert torch.equal(out[r], ck.linear(batch[r : r + 1], pw, bias)[0])
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+def test_linear_isa_variants_bit_identical(ck: CpuKernels, dtype) -> None:
+    """The AVX-512 linear gives the AVX2 linear's bits (same FMA chain per element)."""
+    if not (kbuild.cpu_flags() or set()) >= kbuild.AVX512_CPU_FLAGS:
+        pytest.skip("this CPU has no AVX-512 F+BW")
+    lib = load_kernels()
+    k2 = CpuKernels(dataclasses.replace(lib, isa="avx2"))
+    k512 = CpuKernels(dataclasses.replace(lib, isa="avx512"))
+    assert k2.isa == "avx2" and k512.isa == "avx512"
+    for n, k in [(960, 576), (37, 33), (16, 1), (200, 1536), (130, 7)]:  # odd K: bf16 padding
+        w = randn(n, k, seed=n * k).to(dtype)
+        bias = randn(n, seed=n)
+        p2, p512 = k2.pack_linear_weight(w), k512.pack_linear_weight(w)
+        assert p2.layout != p512.layout
+        for m in (1, 2, 3, 5, 6, 7, 13, 64):
+            x = randn(m, k, seed=m + k, scale=2.0)
+            assert torch.equal(k512.linear(x, p512, bias), k2.linear(x, p2, bias)), (n, k, m)
+            assert torch.equal(k512.linear(x, p512), k2.linear(x, p2)), (n, k, m)
+
+
+def test_linear_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kbuild, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    assert kbuild.linear_isa() == "avx2"
+    monkeypatch.setattr(kbuild, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw"})
+    assert kbuild.linear_isa() == "avx512"
+    monkeypatch.setenv(kbuild.ISA_ENV, "AVX2")
+    assert kbuild.linear_isa() == "avx2"
+    monkeypatch.setenv(kbuild.ISA_ENV, "sse")
+    with pytest.raises(ValueError, match="must be one of avx2, avx512"):
+        kbuild.linear_isa()
+    monkeypatch.setattr(kbuild, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setenv(kbuild.ISA_ENV, "avx512")
+    with pytest.raises(ValueError, match="lacks"):
+        kbuild.linear_isa()
 
 
 def test_linear_edge_cases(ck: CpuKernels) -> None:
