@@ -155,19 +155,21 @@ class TorchKernels:
         seq_lens: torch.Tensor,  # [S] int32
         query_start_loc: torch.Tensor,  # [S+1] int32
         scale: float,
+        last_slot: torch.Tensor | None = None,  # [S] int64: the last key's slot (-1: table)
     ) -> torch.Tensor:  # [T, Hq, D], q.dtype
         out = torch.empty_like(q)
         block_size, hk = k_cache.shape[1], k_cache.shape[2]
         group = q.shape[1] // hk
         starts = query_start_loc.tolist()
+        lasts = last_slot.tolist() if last_slot is not None else [-1] * len(starts)
         for s, seq_len in enumerate(seq_lens.tolist()):
             q0, q1 = starts[s], starts[s + 1]
             if q1 == q0:
                 continue
             n_blocks = -(-seq_len // block_size)
             blocks = block_tables[s, :n_blocks].long()
-            k = _gather_kv(k_cache, blocks, seq_len, group, q.dtype)
-            v = _gather_kv(v_cache, blocks, seq_len, group, q.dtype)
+            k = _gather_kv(k_cache, blocks, seq_len, group, q.dtype, lasts[s])
+            v = _gather_kv(v_cache, blocks, seq_len, group, q.dtype, lasts[s])
             q_len = q1 - q0
             # Bottom-right aligned causal mask: query i sits at position seq_len - q_len + i.
             qpos = torch.arange(q_len, device=q.device) + (seq_len - q_len)
@@ -194,10 +196,17 @@ class TorchKernels:
 
 
 def _gather_kv(
-    cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, group: int, dtype: torch.dtype
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    seq_len: int,
+    group: int,
+    dtype: torch.dtype,
+    last_slot: int = -1,
 ) -> torch.Tensor:  # [Hq, seq_len, D]
     hk, d = cache.shape[2], cache.shape[3]
     kv = cache[blocks].reshape(-1, hk, d)[:seq_len].to(dtype)
+    if last_slot >= 0:
+        kv[seq_len - 1] = cache.view(-1, hk, d)[last_slot].to(dtype)
     return kv.repeat_interleave(group, dim=1).transpose(0, 1)
 
 
@@ -282,13 +291,14 @@ class CpuKernels:
         seq_lens: torch.Tensor,  # [S] int32, keys per sequence incl. this step's tokens
         query_start_loc: torch.Tensor,  # [S+1] int32
         scale: float,
+        last_slot: torch.Tensor | None = None,  # [S] int64: the last key's slot (-1: table)
     ) -> torch.Tensor:  # [T, Hq, D] float32
         if q.shape[-1] % 8 != 0:  # the kernel vectorizes head_dim by 8
             return self._fallback.paged_attention(
-                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, last_slot
             )
         return self._paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, last_slot
         )
 
     def write_kv_cache(

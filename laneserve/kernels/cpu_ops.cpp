@@ -395,7 +395,7 @@ void linear_tile512(const LinearArgs& a, const W* wblk, int64_t m0, int64_t b0) 
 // within the 32 zmm registers.
 template <int R>
 constexpr int cols_for_rows512() {
-  return R == 1 ? 8 : (R <= 4 ? 4 : 2);
+  return R <= 3 ? 8 : (R == 4 ? 6 : 4);
 }
 
 template <typename W, int R>
@@ -548,10 +548,10 @@ inline void scale_row(const float* x, const float* w, float r, float* y, int64_t
   for (; i < n; ++i) y[i] = w[i] * (x[i] * r);
 }
 
-// Rows per parallel task for row-wise ops: ~16k elements, so small batches run
+// Rows per parallel task for row-wise ops: ~128k elements, so decode batches run
 // on the calling thread (an OpenMP fork/join costs ~5 us here).
 int64_t rows_grain(int64_t width) {
-  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width));
+  return std::max<int64_t>(1, 131072 / std::max<int64_t>(1, width));
 }
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& w, const char* op) {
@@ -755,6 +755,8 @@ struct AttnArgs {
   const CT* k_cache;
   const CT* v_cache;  // [num_blocks, block_size, Hk, D]
   const int32_t* block_tables;
+  const int32_t* seq_lens;  // [S]
+  const int64_t* last_slot;  // [S] or null: cache slot of each sequence's last key (-1: table)
   float* out;  // [T, Hq, D]
   int64_t q_stride_t, q_stride_h;
   int64_t Hq, Hk, D, block_size, num_blocks, max_blocks;
@@ -764,9 +766,12 @@ struct AttnArgs {
 // K and V token-row pointers of keys key0..key0+n-1 of one tile, walking the
 // block table one block segment at a time. Entries n..round_up(n, 8)-1 repeat
 // the last key so that score8 can always read 8 keys (those lanes are masked).
+// A sequence's last key (position last_pos) is read from last_slot instead of
+// the table when last_slot >= 0 (speculative side rows: an alternative token's
+// key kept apart from the request's own slot; the arithmetic is unchanged).
 template <typename CT>
 inline void tile_ptrs(const AttnArgs<CT>& a, const int32_t* bt, int64_t key0, int n,
-                      const CT** kp, const CT** vp) {
+                      int64_t last_pos, int64_t last_slot, const CT** kp, const CT** vp) {
   const CT* kbase = a.k_cache;
   const CT* vbase = a.v_cache;
   const int64_t row_elems = a.Hk * a.D;
@@ -784,6 +789,12 @@ inline void tile_ptrs(const AttnArgs<CT>& a, const int32_t* bt, int64_t key0, in
     }
     j += take;
     off = 0;
+  }
+  if (last_slot >= 0 && last_pos >= key0 && last_pos < key0 + n) {
+    TORCH_CHECK(last_slot < a.num_blocks * a.block_size, "paged_attention: last_slot ",
+                last_slot, " out of range");
+    kp[last_pos - key0] = kbase + last_slot * row_elems;
+    vp[last_pos - key0] = vbase + last_slot * row_elems;
   }
   for (; j % 8 != 0; ++j) {
     kp[j] = kp[n - 1];
@@ -957,6 +968,8 @@ void attend_task(const AttnArgs<CT>& a, const AttnTask& task, const int64_t* tok
   const int dv = DV_ > 0 ? DV_ : static_cast<int>(a.D / 8);
   const int64_t G = a.Hq / a.Hk;
   const int32_t* bt = a.block_tables + task.seq * a.max_blocks;
+  const int64_t last_pos = a.seq_lens[task.seq] - 1;
+  const int64_t last_slot = a.last_slot ? a.last_slot[task.seq] : -1;
   const __m256 scale = _mm256_set1_ps(a.scale);
   const int64_t pos_max = tok_pos[task.q0 + task.nq - 1];
 
@@ -980,7 +993,7 @@ void attend_task(const AttnArgs<CT>& a, const AttnTask& task, const int64_t* tok
     return static_cast<int>(std::min<int64_t>(kKeyTile, pos + 1 - key0));
   };
   const int n0 = tile_len(pos_max, 0);
-  tile_ptrs(a, bt, 0, n0, ptr_buf[0][0], ptr_buf[0][1]);
+  tile_ptrs(a, bt, 0, n0, last_pos, last_slot, ptr_buf[0][0], ptr_buf[0][1]);
   const int pf_n0 = prefetch ? n0 : 0;
   prefetch_rows(ptr_buf[0][0], 0, pf_n0, pf_col, pf_bytes);
   prefetch_rows(ptr_buf[0][1], 0, pf_n0, pf_col, pf_bytes);
@@ -989,7 +1002,8 @@ void attend_task(const AttnArgs<CT>& a, const AttnTask& task, const int64_t* tok
     while (tok_pos[task.q0 + first_q] < key0) ++first_q;
     const int64_t next0 = key0 + kKeyTile;
     const int nn = next0 <= pos_max ? tile_len(pos_max, next0) : 0;
-    if (nn > 0) tile_ptrs(a, bt, next0, nn, ptr_buf[cur ^ 1][0], ptr_buf[cur ^ 1][1]);
+    if (nn > 0)
+      tile_ptrs(a, bt, next0, nn, last_pos, last_slot, ptr_buf[cur ^ 1][0], ptr_buf[cur ^ 1][1]);
     const int pf_n = prefetch ? nn : 0;
     const int64_t steps = task.nh * (task.nq - first_q);
     int64_t step = 0;
@@ -1124,14 +1138,16 @@ std::vector<int64_t> token_positions(const int32_t* qs, const int32_t* sl, int64
 
 template <typename CT>
 void run_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                   const at::Tensor& bt, at::Tensor& out, double scale,
-                   const std::vector<AttnTask>& tasks, const std::vector<int64_t>& tok_pos,
-                   int64_t threads) {
+                   const at::Tensor& bt, const at::Tensor& seq_lens, const at::Tensor& last_slot,
+                   at::Tensor& out, double scale, const std::vector<AttnTask>& tasks,
+                   const std::vector<int64_t>& tok_pos, int64_t threads) {
   AttnArgs<CT> a{};
   a.q = q.data_ptr<float>();
   a.k_cache = kc.data_ptr<CT>();
   a.v_cache = vc.data_ptr<CT>();
   a.block_tables = bt.data_ptr<int32_t>();
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.last_slot = last_slot.defined() ? last_slot.data_ptr<int64_t>() : nullptr;
   a.out = out.data_ptr<float>();
   a.q_stride_t = q.stride(0);
   a.q_stride_h = q.stride(1);
@@ -1147,7 +1163,8 @@ void run_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& 
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables_in,
-                           const at::Tensor& seq_lens_in, const at::Tensor& qsl_in, double scale) {
+                           const at::Tensor& seq_lens_in, const at::Tensor& qsl_in, double scale,
+                           const std::optional<at::Tensor>& last_slot_in) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "paged_attention: q must be float32 [T, Hq, D]");
   check_cache(k_cache, k_cache, "k_cache");
@@ -1165,6 +1182,11 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   const int64_t S = seq_lens.numel();
   TORCH_CHECK(bt.size(0) >= S && qsl.numel() == S + 1,
               "paged_attention: block_tables / query_start_loc do not match seq_lens");
+  at::Tensor last_slot;
+  if (last_slot_in.has_value() && last_slot_in->defined()) {
+    last_slot = last_slot_in->to(at::kLong).contiguous();
+    TORCH_CHECK(last_slot.numel() == S, "paged_attention: last_slot must be [S]");
+  }
 
   int64_t pairs = 0;
   const int32_t* qs = qsl.data_ptr<int32_t>();
@@ -1178,13 +1200,16 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   const std::vector<AttnTask> tasks = plan_tasks(qs, S, Hq, Hk, threads);
   switch (k_cache.scalar_type()) {
     case at::kFloat:
-      run_attention<float>(q, k_cache, v_cache, bt, out, scale, tasks, tok_pos, threads);
+      run_attention<float>(q, k_cache, v_cache, bt, seq_lens, last_slot, out, scale, tasks,
+                           tok_pos, threads);
       break;
     case at::kBFloat16:
-      run_attention<at::BFloat16>(q, k_cache, v_cache, bt, out, scale, tasks, tok_pos, threads);
+      run_attention<at::BFloat16>(q, k_cache, v_cache, bt, seq_lens, last_slot, out, scale,
+                                  tasks, tok_pos, threads);
       break;
     default:
-      run_attention<at::Half>(q, k_cache, v_cache, bt, out, scale, tasks, tok_pos, threads);
+      run_attention<at::Half>(q, k_cache, v_cache, bt, seq_lens, last_slot, out, scale, tasks,
+                              tok_pos, threads);
   }
   return out;
 }
@@ -1261,7 +1286,7 @@ TORCH_LIBRARY(laneserve, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
+      "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor? last_slot=None) -> Tensor");
   m.def(
       "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");

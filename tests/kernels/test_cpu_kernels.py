@@ -511,6 +511,36 @@ def test_write_kv_cache(ck: CpuKernels, tk: TorchKernels, dtype, device: str) ->
         torch.testing.assert_close(other_v, vc, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_last_slot(ck: CpuKernels, tk: TorchKernels, device: str) -> None:
+    """last_slot[s] >= 0: sequence s reads its last key from that slot, exactly as if the
+    table held it there (speculative side rows); -1 reads the table."""
+    hq, hk, d, bs, nb = 6, 2, 64, 16, 12
+    kc = randn(nb, bs, hk, d, seed=1).to(torch.bfloat16)
+    vc = randn(nb, bs, hk, d, seed=2).to(torch.bfloat16)
+    table = torch.tensor([[3, 5, 7], [3, 5, 7], [8, 2, 9]], dtype=torch.int32)
+    seq_lens = torch.tensor([37, 37, 20], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    q = randn(3, hq, d, seed=3)
+    last = torch.tensor([-1, 11 * bs + 4, -1])
+    moved_k, moved_v = kc.clone(), vc.clone()  # sequence 1's last key put in its table slot
+    moved_k[7, 4], moved_v[7, 4] = kc[11, 4], vc[11, 4]
+    impls = [tk] if device != "cpu" else [ck, tk]
+    for impl in impls:
+        args = [x.to(device) for x in (kc, vc, table, seq_lens, qsl)]
+        got = impl.paged_attention(q.to(device), *args[:2], *args[2:], 0.125, last.to(device))
+        ref_args = [moved_k.to(device), moved_v.to(device), *args[2:]]
+        ref = impl.paged_attention(q.to(device), *ref_args, 0.125)
+        plain = impl.paged_attention(q.to(device), *args, 0.125)
+        if impl is ck:
+            assert torch.equal(got[1], ref[1]) and torch.equal(got[[0, 2]], plain[[0, 2]])
+        else:
+            torch.testing.assert_close(got, torch.cat([plain[:1], ref[1:2], plain[2:]]))
+        assert not torch.equal(got[1], plain[1])
+    with pytest.raises(RuntimeError, match="last_slot"):
+        ck.paged_attention(q, kc, vc, table, seq_lens, qsl, 0.125, torch.tensor([0, 10**6, 0]))
+
+
 def test_write_then_attend(ck: CpuKernels) -> None:
     """Decode step flow: write this token's K/V, then attend including it."""
     hk, hq, d, bs = 3, 9, 64, 16
