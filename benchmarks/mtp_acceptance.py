@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from laneserve import LLM, SamplingParams
-from laneserve.spec_decode.mtp_data import heldout_prompts, prompt_ids, training_prompts
+from laneserve.spec_decode.mtp_prompts import heldout_prompts, prompt_ids, training_prompts
 
 CHAT = [
     "Explain why the sky is blue.",

@@ -8,6 +8,7 @@ are not stored here.
 
 from __future__ import annotations
 
+import ast
 import json
 
 import msgspec
@@ -50,6 +51,26 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # speculative_disable_by_batch_size): on a compute-bound device verifying
     # drafts of a large batch costs more than the accepted tokens save
     disable_by_batch_size: int | None = None
+    # vLLM's tree literal, e.g. "[(0,), (1,), (2,)]": the head's top-3 tokens as
+    # alternatives for the first draft (verified in the same forward); a chain of
+    # zeros under the first child ("(0, 0)", ...) drafts further positions.
+    speculative_token_tree: str | None = None
+
+    @property
+    def depth(self) -> int:
+        """Draft positions per step (the scheduler's k): the tree's depth."""
+        if self.tree:
+            return token_tree_shape(self.speculative_token_tree)[1]
+        return self.num_speculative_tokens
+
+    @property
+    def num_candidates(self) -> int:
+        """Alternatives for the first draft position (the tree's width at the root)."""
+        return token_tree_shape(self.speculative_token_tree)[0] if self.tree else 1
+
+    @property
+    def tree(self) -> bool:
+        return self.speculative_token_tree is not None
 
     @staticmethod
     def parse(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -71,6 +92,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if "method" not in value:
             raise ValueError('speculative config needs "method": "mtp" or "ngram"')
+        tree = value.get("speculative_token_tree")
+        if isinstance(tree, str) and "num_speculative_tokens" not in value:
+            value = {**value, "num_speculative_tokens": token_tree_nodes(tree)}
         try:
             cfg = msgspec.convert(value, SpeculativeConfig)
         except msgspec.ValidationError as e:
@@ -81,7 +105,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     def validate(self) -> None:
         if self.method not in ("mtp", "ngram"):
             raise ValueError(f'speculative method must be "mtp" or "ngram", got {self.method!r}')
-        if not 1 <= self.num_speculative_tokens <= 8:
+        if not self.tree and not 1 <= self.num_speculative_tokens <= 8:
             raise ValueError(
                 f"num_speculative_tokens must be in [1, 8], got {self.num_speculative_tokens}"
             )
@@ -96,6 +120,48 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.method == "ngram" and self.draft_weights is not None:
             raise ValueError('"draft_weights" only applies to method "mtp"')
+        if self.tree:
+            self._validate_tree()
+
+    def _validate_tree(self) -> None:
+        width, depth = token_tree_shape(self.speculative_token_tree)
+        nodes = width + depth - 1
+        if self.num_speculative_tokens != nodes:
+            raise ValueError(
+                f"num_speculative_tokens ({self.num_speculative_tokens}) must equal the number "
+                f"of nodes of speculative_token_tree ({nodes})"
+            )
+        if width > 1 and self.method != "mtp":
+            raise ValueError('a speculative_token_tree with alternatives needs method "mtp"')
+        if not (1 <= width <= 8 and depth <= 8):
+            raise ValueError("speculative_token_tree: at most 8 alternatives and depth 8")
+
+
+def token_tree_nodes(tree: str) -> int:
+    return sum(token_tree_shape(tree)) - 1
+
+
+def token_tree_shape(tree: str) -> tuple[int, int]:
+    """(width at the root, depth) of a vLLM tree literal of the supported shape: root
+    children (0,) .. (w-1,) plus a chain (0, 0), (0, 0, 0), ... under the first child."""
+    hint = 'e.g. "[(0,), (1,), (2,)]" or "[(0,), (1,), (0, 0)]"'
+    try:
+        nodes = ast.literal_eval(tree)
+        paths = sorted({tuple(int(i) for i in n) for n in nodes}, key=lambda t: (len(t), t))
+        ok = len(paths) == len(nodes) and all(len(p) >= 1 for p in paths)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        ok = False
+    if not ok:
+        raise ValueError(f"speculative_token_tree must be a list of index tuples, {hint}")
+    width = sum(len(p) == 1 for p in paths)
+    depth = max(len(p) for p in paths)
+    want = [(i,) for i in range(width)] + [(0,) * d for d in range(2, depth + 1)]
+    if paths != want:
+        raise ValueError(
+            "speculative_token_tree: only alternatives at the root and a chain under the "
+            f"first child are supported, {hint}; got {tree!r}"
+        )
+    return width, depth
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):

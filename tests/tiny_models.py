@@ -171,17 +171,22 @@ def build_bigram_model(out: Path, family: str = "llama", seed: int = 0) -> Path:
     return out
 
 
-def build_exact_mtp_head(model_dir: Path, out: Path, draft_vocab: list[int] | None = None) -> Path:
-    """MTP weights that reproduce a bigram model's next-next token (100% acceptance)."""
+def build_exact_mtp_head(
+    model_dir: Path, out: Path, draft_vocab: list[int] | None = None, noise: float = 0.0
+) -> Path:
+    """MTP weights that reproduce a bigram model's next-next token (100% acceptance);
+    with `noise`, a perturbed copy whose best guess is often wrong but whose next-best
+    ones often hold the right token (for token-tree alternatives)."""
     from safetensors.torch import load_file, save_file
 
     w = load_file(str(model_dir / "model.safetensors"))
     h = w["model.embed_tokens.weight"].shape[1]
     eps = 1e-6
+    proj = torch.eye(h) + noise * torch.randn(h, h, generator=torch.Generator().manual_seed(0))
     t = {
         "model.layers.1.enorm.weight": torch.full((h,), (1.0 + eps) ** 0.5),
         "model.layers.1.hnorm.weight": torch.ones(h),
-        "model.layers.1.eh_proj.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1),
+        "model.layers.1.eh_proj.weight": torch.cat([proj, torch.zeros(h, h)], dim=1),
     }
     for name, value in w.items():
         if name.startswith("model.layers.0."):

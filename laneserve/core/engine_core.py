@@ -69,7 +69,7 @@ class EngineCore:
             self.config.scheduler,
             self.kv,
             ready.max_model_len,
-            spec.num_speculative_tokens if spec else 0,
+            spec.depth if spec else 0,
             spec.disable_by_batch_size if spec else None,
         )
         if stats is not None:

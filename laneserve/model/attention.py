@@ -41,6 +41,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decode_seqs] int32 (keys incl. this step)
     decode_query_start_loc: torch.Tensor | None  # [num_decode_seqs + 1] int32
     prefills: tuple[PrefillSpan, ...]
+    # [num_decode_seqs] int64: slot holding the sequence's last key instead of its table
+    # (-1: the table); speculative side rows, see worker/side_rows.py
+    decode_last_slot: torch.Tensor | None = None
 
 
 def paged_attention(
@@ -64,6 +67,7 @@ def paged_attention(
             meta.decode_seq_lens,
             meta.decode_query_start_loc,
             scale,
+            meta.decode_last_slot,
         )
     out = torch.empty_like(q)
     if nd:
@@ -75,6 +79,7 @@ def paged_attention(
             meta.decode_seq_lens,
             meta.decode_query_start_loc,
             scale,
+            meta.decode_last_slot,
         )
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)

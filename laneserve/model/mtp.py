@@ -81,6 +81,10 @@ class MtpHead:
         best = self.head(normed).argmax(dim=-1)
         return best if self.draft_vocab is None else self.draft_vocab.index_select(0, best)
 
+    def draft_top(self, normed: torch.Tensor, n: int) -> torch.Tensor:  # [N, n] best first
+        best = self.head(normed).topk(n, dim=-1).indices
+        return best if self.draft_vocab is None else self.draft_vocab[best]
+
 
 SHIPPED_HEADS = {
     # default-model name -> packaged file (laneserve/assets)

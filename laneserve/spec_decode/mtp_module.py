@@ -45,6 +45,7 @@ class MtpTrainModule(nn.Module):
             {k.replace(".", "__"): nn.Parameter(v.clone()) for k, v in layer.items()}
         )
         self.register_buffer("draft_vocab", torch.arange(arch.vocab_size), persistent=False)
+        self.register_buffer("head_draft", base["head"], persistent=False)  # [Vd, H] rows
         self.register_buffer("vocab_index", torch.arange(arch.vocab_size), persistent=False)
 
     @staticmethod
@@ -76,6 +77,7 @@ class MtpTrainModule(nn.Module):
         index = torch.full((self.arch.vocab_size,), -1, dtype=torch.int64)
         index[self.draft_vocab] = torch.arange(len(vocab))
         self.vocab_index = index
+        self.head_draft = self.head_full.index_select(0, self.draft_vocab)
 
     def w(self, name: str) -> torch.Tensor:
         return self.layer[name.replace(".", "__")]
@@ -91,7 +93,12 @@ class MtpTrainModule(nn.Module):
         up = F.linear(z, self.w("mlp.up_proj.weight"))
         y = y + F.linear(F.silu(gate) * up, self.w("mlp.down_proj.weight"))
         normed = _rms(y, self.final_norm, a.rms_norm_eps)
-        return normed @ self.head_full.index_select(0, self.draft_vocab).T
+        return normed @ self.head_draft.T
+
+    @torch.no_grad()
+    def teacher_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own logits over the draft vocabulary from its normed hidden [.., H]."""
+        return target_hidden @ self.head_draft.T
 
     def _proj(self, x: torch.Tensor, name: str) -> torch.Tensor:
         bias = self.layer[f"self_attn__{name}_proj__bias"] if self.arch.qkv_bias else None

@@ -50,9 +50,15 @@ class NgramProposer:
 
 class MtpProposer:
     def __init__(
-        self, head: MtpHead, k: int, kv_cache: tuple[torch.Tensor, torch.Tensor], block_size: int
+        self,
+        head: MtpHead,
+        k: int,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        block_size: int,
+        alternatives: int = 0,  # token tree: the head's next-best tokens for the first draft
     ) -> None:
         self.head, self.k, self.kv_cache, self.block_size = head, k, kv_cache, block_size
+        self.alternatives = alternatives
 
     def propose(self, state: object, view: StepView, next_tokens: torch.Tensor) -> None:
         out = self.head.forward(
@@ -62,7 +68,12 @@ class MtpProposer:
             return  # a prompt chunk: only the head's KV was needed
         h = out.index_select(0, view.last_index)  # [Rs, H]
         pos = view.positions.index_select(0, view.last_index)
-        token = self.head.draft(h)
+        if self.alternatives:
+            top = self.head.draft_top(h, 1 + self.alternatives)  # [Rs, 1 + W], best first
+            token = top[:, 0]
+            state.side_drafts[view.slots, : self.alternatives] = top[:, 1:]
+        else:
+            token = self.head.draft(h)
         drafts = [token]
         for _ in range(self.k - 1):
             pos = pos + 1

@@ -30,13 +30,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from laneserve.spec_decode.mtp_data import (
-    Sample,
-    generate_samples,
-    heldout_prompts,
-    training_prompts,
-)
+from laneserve.spec_decode.mtp_data import Sample, generate_samples
 from laneserve.spec_decode.mtp_module import MtpTrainModule
+from laneserve.spec_decode.mtp_prompts import heldout_prompts, training_prompts
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=8192, help="0: the full vocabulary")
     p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument(
+        "--distill",
+        choices=("soft", "hard"),
+        default="soft",
+        help="soft: match the target's whole distribution of t[i+2]; hard: its argmax only",
+    )
     p.add_argument(
         "--holdout", type=int, default=32, help="sequences from unseen prompts to measure top-1 on"
     )
@@ -209,8 +211,9 @@ def train_loop(
         if not epoch_batches:
             epoch_batches = batches(train, ns.batch_size, rng)
         nxt, hid, tgt = collate(epoch_batches.pop(), module.vocab_index)
-        logits = module(nxt, hid)
-        loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=-100)
+        if not (tgt >= 0).any():
+            continue  # every target outside the draft vocabulary: nothing to learn
+        loss = distill_loss(module, nxt, hid, tgt, ns.distill)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -222,6 +225,26 @@ def train_loop(
         if step % 50 == 0 or step == total:
             torch.save({"module": module.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
     bar.close()
+
+
+def distill_loss(
+    module: MtpTrainModule,
+    nxt: torch.Tensor,  # [B, L] t[i+1]
+    hid: torch.Tensor,  # [B, L, H] target normed hidden h[i]
+    tgt: torch.Tensor,  # [B, L] t[i+2] in draft-vocab ids, -100 = skip
+    mode: str,
+) -> torch.Tensor:
+    """Cross-entropy of the head's t[i+2] logits against the target: its greedy token
+    ("hard"), or its whole distribution over the draft vocabulary ("soft"), which is the
+    target's output at position i + 1, computed from h[i+1]."""
+    mask = tgt >= 0
+    logits = module(nxt, hid)[mask]  # [n, Vd]
+    if mode == "hard":
+        return F.cross_entropy(logits, tgt[mask])
+    # NOTE: position i's target is never a sequence's last input, so h[i+1] exists.
+    following = torch.cat([hid[:, 1:], torch.zeros_like(hid[:, :1])], dim=1)
+    teacher = module.teacher_logits(following[mask]).softmax(dim=-1)
+    return -(teacher * logits.log_softmax(dim=-1)).sum(dim=-1).mean()
 
 
 @torch.no_grad()

@@ -201,6 +201,16 @@ class StepInputs:
     max_len: int  # host upper bound on every row's length after this step
     sampling: SamplingBatch | None
     any_spec: bool
+    dense_spec: bool = False  # every sampling row is a decode verifying max_spec drafts
+    # alternatives to the first draft (token tree root children), see side_rows.py
+    side_width: int = 0  # alternatives per row (W); 0: none this step
+    side_rows: torch.Tensor | None = None  # [Ra] rows that carry alternatives
+    side_sample: torch.Tensor | None = None  # [Ra] their sampling-row index
+    side_sample_host: list[int] = field(default_factory=list)
+    side_slots: torch.Tensor | None = None  # [Ra, W] scratch KV slot per alternative
+    side_tables: torch.Tensor | None = None  # [Ra * W, C] int32: each side row's own table
+    side_query_start_loc: torch.Tensor | None = None  # [Sd + Ra * W + 1] int32, decode + side
+    side_last_slot: torch.Tensor | None = None  # [Sd + Ra * W] int64: -1, then side_slots
 
 
 class InputSlot:
@@ -228,6 +238,8 @@ def build_inputs(
     releases: list[tuple[int, int]],
     scratch_blocks: list[int],
     pad_cols: int,
+    side_width: int = 0,
+    side_base: int = 0,
 ) -> StepInputs:
     order = sorted(range(len(cmd.scheduled)), key=lambda i: not cmd.scheduled[i].decode)
     sched = [cmd.scheduled[i] for i in order]
@@ -285,6 +297,18 @@ def build_inputs(
 
     max_spec = max((s.num_spec for s in sched), default=0)
     max_len = max((s.start + s.num_tokens + 1 for s in sched), default=1)
+    # rows with alternatives: speculative decodes without logprobs (whose position-1
+    # logprob would have to come from the alternative's row)
+    side = [
+        (r, i)
+        for i, r in enumerate(sample_idx)
+        if side_width and sched[r].decode and sched[r].num_spec and reqs[r].params.logprobs is None
+    ]
+    side_slots = side_base + np.arange(len(side) * side_width).reshape(len(side), side_width)
+    tables = [_block_table(reqs, g, scratch_blocks[g], pad_cols) for g in range(table.num_groups)]
+    side_rows = [r for r, _ in side]
+    side_qsl = dec_qsl + [dec_qsl[-1] + j for j in range(1, side_slots.size + 1)]
+    side_last = np.concatenate([np.full(n_decode_rows, -1), side_slots.reshape(-1)])
     return StepInputs(
         step_id=cmd.step_id,
         slot_index=slot.index,
@@ -300,10 +324,7 @@ def build_inputs(
         row_decode=dev(rows[1], torch.bool),
         row_start=dev(rows[2]),
         row_qlen=dev(rows[3]),
-        block_tables=[
-            _block_table(reqs, g, scratch_blocks[g], pad_cols, device)
-            for g in range(table.num_groups)
-        ],
+        block_tables=[dev(t) for t in tables],
         token_row=dev(tok[0]),
         token_offset=dev(tok[1]),
         token_is_draft=dev(tok[2], torch.bool),
@@ -319,19 +340,27 @@ def build_inputs(
         max_len=max_len,
         sampling=sampling,
         any_spec=max_spec > 0,
+        dense_spec=max_spec > 0
+        and all(sched[r].decode and sched[r].num_spec == max_spec for r in sample_idx),
+        side_width=side_width if side else 0,
+        side_rows=dev(side_rows) if side else None,
+        side_sample=dev([i for _, i in side]) if side else None,
+        side_sample_host=[i for _, i in side],
+        side_slots=dev(side_slots) if side else None,
+        side_tables=dev(tables[0][side_rows].repeat(side_width, 0), torch.int32) if side else None,
+        side_query_start_loc=dev(side_qsl, torch.int32) if side else None,
+        side_last_slot=dev(side_last) if side else None,
     )
 
 
-def _block_table(
-    reqs: list[WorkerRequest], group: int, scratch: int, pad_cols: int, device: torch.device
-) -> torch.Tensor:
+def _block_table(reqs: list[WorkerRequest], group: int, scratch: int, pad_cols: int) -> np.ndarray:
     """[R, max_blocks + pad_cols]; padding points at the group's scratch block."""
     width = max((len(r.block_ids[group]) for r in reqs), default=0) + pad_cols
     table = np.full((len(reqs), width), scratch, dtype=np.int64)
     for i, r in enumerate(reqs):
         ids = r.block_ids[group]
         table[i, : len(ids)] = ids
-    return torch.from_numpy(table).to(device, non_blocking=True)
+    return table
 
 
 def _row_sampling(req: WorkerRequest) -> RowSampling:

@@ -6,6 +6,7 @@ Device state (written only by the device lane, one row per state slot):
  history[slot, :]   token ids: prompt, then every confirmed output
  committed[slot]    number of known tokens (prompt + confirmed outputs)
  drafts[slot, :k]   pending draft tokens for the next verify (speculation)
+ side_drafts[slot]  alternatives to drafts[slot, 0] (token tree, see side_rows.py)
 ```
 A decode row's inputs are resolved here from that state, not from the
 command: its position is committed - 1 and its token is history[committed - 1]
@@ -25,13 +26,15 @@ from laneserve.model.llama import LlamaModel
 from laneserve.protocol import RequestError, RequestOutput, StepResult, TokenLogprobs
 from laneserve.sample import rejection_sampler, sampler
 from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
+from laneserve.worker import side_rows
 from laneserve.worker.input_batch import SlotTable, StepInputs
+from laneserve.worker.side_rows import KvStack, SideStep
 
 Proposer = NgramProposer | MtpProposer
 
 
 class DeviceState:
-    def __init__(self, device: torch.device, width: int, max_spec: int) -> None:
+    def __init__(self, device: torch.device, width: int, max_spec: int, side: int = 0) -> None:
         self.device = device
         self.width = width
         self.max_spec = max_spec
@@ -39,6 +42,7 @@ class DeviceState:
         self.committed = torch.zeros(0, dtype=torch.int64, device=device)
         self.drafts = torch.zeros((0, max(max_spec, 1)), dtype=torch.int64, device=device)
         self.num_drafts = torch.zeros(0, dtype=torch.int64, device=device)
+        self.side_drafts = torch.zeros((0, max(side, 1)), dtype=torch.int64, device=device)
 
     @property
     def capacity(self) -> int:
@@ -58,6 +62,7 @@ class DeviceState:
         self.committed = grow(self.committed)
         self.drafts = grow(self.drafts)
         self.num_drafts = grow(self.num_drafts)
+        self.side_drafts = grow(self.side_drafts)
 
 
 @dataclass
@@ -97,6 +102,8 @@ class ModelRunner:
         vocab_size: int,
         proposer: Proposer | None = None,
         mtp_group: int | None = None,
+        kv_stacks: list[KvStack] | None = None,  # per group: the layers' caches stacked
+        side_width: int = 0,  # alternatives per speculative row (token tree)
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -106,7 +113,8 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.proposer = proposer
         self.mtp_group = mtp_group
-        self.state = DeviceState(device, max_model_len + max_spec + 2, max_spec)
+        self.kv_stacks = kv_stacks
+        self.state = DeviceState(device, max_model_len + max_spec + 2, max_spec, side_width)
         # Optional tap on every step's (inputs, ids, positions, hidden): the MTP
         # trainer collects the target's hidden states with it.
         self.capture: (
@@ -122,13 +130,38 @@ class ModelRunner:
         self._write_prompts(inp)
         ids, positions, start = self._resolve_inputs(inp)
         meta = self._metadata(inp, positions, start, 0)
-        hidden, _ = self.model.forward(ids, positions, meta, self.kv_caches[0])
+        side = side_hidden = None
+        if inp.side_width:
+            side, ids_all, pos_all, meta_all = side_rows.plan(
+                inp, self.state.side_drafts, ids, positions, start, meta, self.block_size
+            )
+            out, _ = self.model.forward(ids_all, pos_all, meta_all, self.kv_caches[0])
+            hidden, side_hidden = side_rows.split(out, side)
+        else:
+            hidden, _ = self.model.forward(ids, positions, meta, self.kv_caches[0])
         if self.capture is not None:
             self.capture(inp, ids, positions, hidden)
         tokens = num_emitted = logprobs = num_valid = num_accepted = None
         if inp.sampling is not None:
-            logits = self.model.compute_logits(hidden.index_select(0, inp.logits_token_idx))
+            rows = hidden.index_select(0, inp.logits_token_idx)
+            if side is not None:  # NOTE: one LM-head pass for all rows (it streams the weight)
+                rows = torch.cat([rows, side_hidden])
+            logits = self.model.compute_logits(rows)
+            n = inp.logits_token_idx.shape[0]
+            logits, side_logits = logits[:n], logits[n:]
             tokens, num_accepted, num_valid, logprobs = self._sample(inp, logits, positions)
+            if side is not None:
+                self._verify_side(
+                    inp,
+                    side,
+                    logits,
+                    side_logits,
+                    side_hidden,
+                    hidden,
+                    tokens,
+                    num_accepted,
+                    num_valid,
+                )
             num_emitted = num_accepted + 1
             self._commit(inp, tokens, num_emitted)
         if self.proposer is not None:
@@ -195,21 +228,28 @@ class ModelRunner:
         sb = inp.sampling
         assert sb is not None
         raw = logits.clone() if sb.max_logprobs >= 0 else logits
-        num_known = positions.index_select(0, inp.logits_token_idx) + 1  # [N]
-        prompt_len = sb.prompt_len.index_select(0, inp.logits_sample_row)
+        num_known = num_output = None
+        if sb.min_tokens is not None or sb.penalties is not None:
+            num_known = positions.index_select(0, inp.logits_token_idx) + 1  # [N]
+            num_output = num_known - sb.prompt_len.index_select(0, inp.logits_sample_row)
         if inp.any_spec:
-            flat = sb.expand(inp.logits_sample_row_host, inp.logits_sample_row)
-            sampler.apply_min_tokens(logits, flat, num_known - prompt_len)
             slots = inp.row_slot.index_select(0, inp.sample_rows)
             num_valid = torch.minimum(
                 self.state.num_drafts.index_select(0, slots), inp.sample_num_spec
             )
             drafts = self.state.drafts.index_select(0, slots)[:, : inp.max_spec]
-            tokens, accepted = rejection_sampler.verify(
-                logits, flat, inp.logits_sample_row, inp.logits_offset, drafts, num_valid
-            )
+            if inp.dense_spec and sb.all_greedy and sb.min_tokens is None:
+                tokens, accepted = rejection_sampler.verify_greedy_dense(logits, drafts, num_valid)
+            else:
+                flat = sb.expand(inp.logits_sample_row_host, inp.logits_sample_row)
+                if num_output is not None:
+                    sampler.apply_min_tokens(logits, flat, num_output)
+                tokens, accepted = rejection_sampler.verify(
+                    logits, flat, inp.logits_sample_row, inp.logits_offset, drafts, num_valid
+                )
         else:
-            sampler.apply_min_tokens(logits, sb, num_known - prompt_len)
+            if num_output is not None:
+                sampler.apply_min_tokens(logits, sb, num_output)
             if sb.penalties is not None:
                 slots = inp.row_slot.index_select(0, inp.sample_rows)
                 hist = self.state.history.index_select(0, slots)
@@ -221,6 +261,40 @@ class ModelRunner:
             chosen = tokens[inp.logits_sample_row, inp.logits_offset]
             logprobs = sampler.compute_logprobs(raw, chosen, sb.max_logprobs)
         return tokens, accepted, num_valid, logprobs
+
+    def _verify_side(
+        self,
+        inp: StepInputs,
+        side: SideStep,
+        logits: torch.Tensor,  # [N, V] processed main logits
+        side_logits: torch.Tensor,  # [Ra * W, V] the alternatives' rows
+        side_hidden: torch.Tensor,  # [Ra * W, H]
+        hidden: torch.Tensor,  # [T, H] main hidden (d1's row is replaced on a hit)
+        tokens: torch.Tensor,  # [Rs, 1 + k] updated in place
+        num_accepted: torch.Tensor,  # [Rs] updated in place
+        num_valid: torch.Tensor,  # [Rs] drafts verified per row
+    ) -> None:
+        sb, w, host = inp.sampling, inp.side_width, inp.side_sample_host
+        assert sb is not None
+        row_batch = alt_batch = sb  # the all-greedy path reads no per-row sampling state
+        if not sb.all_greedy or sb.min_tokens is not None:
+            each = inp.side_sample.repeat_interleave(w)
+            alt_batch = sb.expand([i for i in host for _ in range(w)], each)
+            row_batch = sb.expand(host, inp.side_sample)
+            if sb.min_tokens is not None:
+                num_known = (side.pos + 2).repeat_interleave(w)  # the alternative's output
+                sampler.apply_min_tokens(side_logits, alt_batch, num_known - alt_batch.prompt_len)
+        alt = rejection_sampler.Alternatives(
+            inp.side_sample, side.tokens, side_logits, row_batch, alt_batch
+        )
+        slots = inp.row_slot.index_select(0, inp.sample_rows)
+        drafts = self.state.drafts.index_select(0, slots)[:, : inp.max_spec]
+        hit, choice = rejection_sampler.verify_alternatives(
+            logits, inp.sample_logit_start, drafts, num_valid, tokens, num_accepted, alt
+        )
+        d1 = inp.sample_logit_start.index_select(0, inp.side_sample) + 1
+        d1_token = inp.logits_token_idx.index_select(0, d1)
+        side_rows.commit(self.kv_stacks[0], side, hit, choice, hidden, side_hidden, d1_token)
 
     def _commit(self, inp: StepInputs, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
         st = self.state

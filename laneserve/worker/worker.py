@@ -67,7 +67,8 @@ class Worker:
         self.act_dtype = torch.float32 if self.device.type == "cpu" else self.ckpt.weight_dtype
         self.max_model_len = _max_model_len(config, self.ckpt)
         spec = config.speculative
-        self.max_spec = spec.num_speculative_tokens if spec else 0
+        self.max_spec = spec.depth if spec else 0
+        self.side_width = spec.num_candidates - 1 if spec else 0  # token tree alternatives
         store = WeightStore(self.ckpt, self.device, self.act_dtype)
         self.model = LlamaModel(
             arch,
@@ -85,9 +86,15 @@ class Worker:
         self.block_size = config.cache.block_size
         self.groups = self._cache_groups()
         self.num_blocks = self._num_blocks()
-        kv_caches = [
-            self._allocate_cache(g, n) for g, n in zip(self.groups, self.num_blocks, strict=True)
+        # scratch KV slots for side rows (main group only): one per alternative and row
+        self.side_base = (self.num_blocks[0] + 1) * self.block_size  # first slot
+        side_slots = self.side_width * config.scheduler.max_num_seqs
+        extra = [-(-side_slots // self.block_size)] + [0] * (len(self.groups) - 1)
+        kv_stacks = [
+            self._allocate_cache(g, n, e)
+            for g, n, e in zip(self.groups, self.num_blocks, extra, strict=True)
         ]
+        kv_caches = [list(zip(k.unbind(0), v.unbind(0), strict=True)) for k, v in kv_stacks]
         self.table = RequestTable(
             len(self.groups), self.block_size, self.device, self.max_model_len
         )
@@ -102,6 +109,8 @@ class Worker:
             arch.vocab_size,
             proposer=self._proposer(kv_caches),
             mtp_group=1 if self.mtp is not None else None,
+            kv_stacks=kv_stacks,
+            side_width=self.side_width,
         )
         sched = config.scheduler
         max_rows = sched.max_num_seqs
@@ -147,10 +156,8 @@ class Worker:
         if spec is None:
             return None
         if spec.method == "ngram":
-            return NgramProposer(
-                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-            )
-        return MtpProposer(self.mtp, spec.num_speculative_tokens, kv_caches[1][0], self.block_size)
+            return NgramProposer(spec.depth, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return MtpProposer(self.mtp, spec.depth, kv_caches[1][0], self.block_size, self.side_width)
 
     def _num_blocks(self) -> list[int]:
         cache = self.config.cache
@@ -169,20 +176,22 @@ class Worker:
         return [n for _ in self.groups]
 
     def _allocate_cache(
-        self, group: CacheGroupSpec, n: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # one block more than the pool: block id n is the scratch block that
-        # padded block-table entries point at (draft positions past a row's blocks)
-        shape = (n + 1, group.block_size, group.num_kv_heads, group.head_dim)
+        self, group: CacheGroupSpec, n: int, extra: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every layer of the group, stacked: [layers, blocks, bs, Hk, D].
+
+        Block id n (one past the pool) is the scratch block that padded block-table
+        entries point at (draft positions past a row's blocks); blocks n + 1 .. n + extra
+        hold the side rows' scratch slots (see side_rows.py).
+        """
+        shape = (group.num_layers, n + 1 + extra, group.block_size)
+        shape += (group.num_kv_heads, group.head_dim)
         dtype = self.ckpt.weight_dtype
         # NOTE: torch.empty: pages are only touched when a block is first written.
-        return [
-            (
-                torch.empty(shape, dtype=dtype, device=self.device),
-                torch.empty(shape, dtype=dtype, device=self.device),
-            )
-            for _ in range(group.num_layers)
-        ]
+        return (
+            torch.empty(shape, dtype=dtype, device=self.device),
+            torch.empty(shape, dtype=dtype, device=self.device),
+        )
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
@@ -236,6 +245,8 @@ class Worker:
                 pending.releases,
                 self.num_blocks,  # per group: the scratch block id
                 self.max_spec + 1,
+                self.side_width,
+                self.side_base,
             )
 
     def device_step(self, inp: StepInputs) -> DeviceOutputs:

@@ -16,7 +16,9 @@ from laneserve.model.attention import AttentionMetadata, PrefillSpan
 from laneserve.model.llama import LlamaModel
 from laneserve.model.loader import WeightStore, resolve_checkpoint
 from laneserve.model.mtp import load_mtp_head
+from laneserve.spec_decode import mtp_prompts
 from laneserve.spec_decode.mtp_module import MtpTrainModule
+from laneserve.spec_decode.train_mtp import distill_loss
 
 
 def test_train_module_matches_inference_head(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -94,3 +96,43 @@ def test_train_mtp_cli_resumes_and_produces_a_working_head(
             use_tqdm=False,
         )
         assert len(got[0].outputs[0].token_ids) == 12 and llm.get_stats()["spec_num_drafts"] > 0
+
+
+def test_soft_distillation_targets_the_next_position(tiny_models: dict[str, Path]) -> None:
+    """Soft: cross-entropy against the target's own distribution of t[i+2], i.e. its
+    logits at position i + 1 (from h[i+1]); "hard": against the greedy token."""
+    ckpt = resolve_checkpoint(str(tiny_models["llama"]), "float32", torch.device("cpu"))
+    module = MtpTrainModule.from_base(ckpt, None)
+    module.set_draft_vocab(torch.arange(0, 320, 2))
+    g = torch.Generator().manual_seed(0)
+    nxt = torch.randint(0, 320, (2, 6), generator=g)
+    hid = torch.randn(2, 6, ckpt.arch.hidden_size, generator=g)
+    tgt = torch.full((2, 6), -100)
+    tgt[0, 1:4] = torch.tensor([3, 7, 11])
+    tgt[1, 0] = 5
+    with torch.no_grad():
+        soft = distill_loss(module, nxt, hid, tgt, "soft")
+        hard = distill_loss(module, nxt, hid, tgt, "hard")
+        logp = module(nxt, hid).log_softmax(-1)
+        want_soft, want_hard = [], []
+        for b, j in [(0, 1), (0, 2), (0, 3), (1, 0)]:
+            teacher = (hid[b, j + 1] @ module.head_draft.T).softmax(-1)
+            want_soft.append(-(teacher * logp[b, j]).sum())
+            want_hard.append(-logp[b, j, tgt[b, j]])
+    torch.testing.assert_close(soft, torch.stack(want_soft).mean())
+    torch.testing.assert_close(hard, torch.stack(want_hard).mean())
+
+
+def test_prompt_sets_are_disjoint() -> None:
+    """Held-out prompts share no topic or template with training; the benchmarks' chat
+    prompts are not training prompts."""
+    assert not set(mtp_prompts.TOPICS) & set(mtp_prompts.HELDOUT_TOPICS)
+    assert not set(mtp_prompts.TEMPLATES) & set(mtp_prompts.HELDOUT_TEMPLATES)
+    train = {text for text, _ in mtp_prompts.training_prompts(10**9)}
+    assert len(train) == len(mtp_prompts.training_prompts(10**9))
+    assert not train & {text for text, _ in mtp_prompts.heldout_prompts(10**9)}
+    for bench in ("Explain why the sky is blue.", "Write a short story about a lighthouse keeper."):
+        assert bench not in train
+    # any prefix mixes chat and raw text and spreads over the templates
+    first = mtp_prompts.training_prompts(200)
+    assert {chat for _, chat in first} == {True, False}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from laneserve.sample import sampler
-from laneserve.sample.rejection_sampler import verify
+from laneserve.sample.rejection_sampler import Alternatives, verify, verify_alternatives
 from laneserve.sample.sampler import RowSampling
 from laneserve.sampling_params import SamplingParams
 
@@ -88,3 +88,72 @@ def test_seeded_verification_is_deterministic() -> None:
     b, _ = _first_token_distribution(draft=1, probs=target, n=200, seed=7)
     c, _ = _first_token_distribution(draft=1, probs=target, n=200, seed=8)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _with_alternatives(
+    p0: torch.Tensor, bonus: dict[int, torch.Tensor], draft: int, alts: list[int], n: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n rows of k=1 with alternatives `alts`; (tokens [n, 2], accepted [n], hit [n])."""
+    logits = torch.stack([p0.log(), bonus[draft].log()]).repeat(n, 1)  # offsets 0, 1
+    rows = [i for i in range(n) for _ in range(2)]
+    seeds = [seed + i for i in range(n)]
+    params = [SamplingParams(temperature=1.0, seed=s) for s in seeds]
+    b = flat_batch(params, rows, seeds)
+    flat_row, flat_off = torch.tensor(rows), torch.tensor([0, 1] * n)
+    drafts, valid = torch.full((n, 1), draft), torch.ones(n, dtype=torch.int64)
+    tokens, acc = verify(logits, b, flat_row, flat_off, drafts, valid)
+    w = len(alts)
+    own = [2 * i for i in range(n)]  # each row's offset-0 entry of the flat batch
+    alt_rows = [r for r in own for _ in range(w)]
+    alt = Alternatives(
+        rows=torch.arange(n),
+        tokens=torch.tensor([alts] * n),
+        logits=torch.stack([bonus[a].log() for a in alts]).repeat(n, 1),
+        batch=b.expand(own, torch.tensor(own)),
+        alt_batch=b.expand(alt_rows, torch.tensor(alt_rows)),
+    )
+    first = torch.arange(n) * 2
+    hit, choice = verify_alternatives(logits, first, drafts, valid, tokens, acc, alt)
+    assert torch.equal(choice[hit], torch.tensor([alts.index(t) for t in tokens[hit, 0].tolist()]))
+    return tokens, acc, hit
+
+
+def test_alternatives_keep_the_target_distribution() -> None:
+    g = torch.Generator().manual_seed(5)
+    p0 = torch.tensor([0.05, 0.25, 0.1, 0.2, 0.05, 0.15, 0.1, 0.1])
+    bonus = {t: torch.softmax(2 * torch.randn(8, generator=g), -1) for t in (1, 3, 5)}
+    n = 8000
+    tokens, acc, hit = _with_alternatives(p0, bonus, draft=3, alts=[1, 5], n=n, seed=1000)
+    freq = torch.bincount(tokens[:, 0], minlength=8).float() / n
+    assert torch.allclose(freq, p0, atol=0.02), freq  # the target's, whatever was drafted
+    # the first draft or one of its alternatives is accepted with p(3) + p(1) + p(5)
+    assert abs(acc.float().mean().item() - 0.6) < 0.02
+    assert abs(hit.float().mean().item() - 0.4) < 0.02  # p(1) + p(5): via an alternative
+    for alt_token in (1, 5):  # after an accepted alternative: its own row's distribution
+        second = tokens[hit & (tokens[:, 0] == alt_token), 1]
+        got = torch.bincount(second, minlength=8).float() / second.numel()
+        assert torch.allclose(got, bonus[alt_token], atol=0.04), (alt_token, got)
+
+
+def test_alternatives_greedy_and_seeded() -> None:
+    p0 = torch.tensor([0.05, 0.1, 0.1, 0.2, 0.05, 0.4, 0.05, 0.05])
+    bonus = {t: torch.softmax(torch.arange(8.0) * (t + 1) % 5, -1) for t in (1, 3, 5)}
+    # greedy: argmax_0 = 5 is the second alternative; its row's argmax follows
+    logits = torch.stack([p0.log(), bonus[3].log()])
+    b = flat_batch([SamplingParams(temperature=0)], [0, 0], [None])
+    drafts, valid = torch.tensor([[3]]), torch.tensor([1])
+    tokens, acc = verify(logits, b, torch.tensor([0, 0]), torch.tensor([0, 1]), drafts, valid)
+    alt = Alternatives(
+        torch.tensor([0]),
+        torch.tensor([[1, 5]]),
+        torch.stack([bonus[1].log(), bonus[5].log()]),
+        b.expand([0], torch.tensor([0])),
+        b.expand([0, 0], torch.tensor([0, 0])),
+    )
+    hit, choice = verify_alternatives(logits, torch.tensor([0]), drafts, valid, tokens, acc, alt)
+    assert hit.tolist() == [True] and choice.tolist() == [1] and acc.tolist() == [1]
+    assert tokens[0].tolist() == [5, int(bonus[5].argmax())]
+    a = _with_alternatives(p0, bonus, 3, [1, 5], 300, seed=7)[0]
+    b2 = _with_alternatives(p0, bonus, 3, [1, 5], 300, seed=7)[0]
+    c = _with_alternatives(p0, bonus, 3, [1, 5], 300, seed=8)[0]
+    assert torch.equal(a, b2) and not torch.equal(a, c)

@@ -16,8 +16,8 @@ from tests.tiny_models import build_bigram_model, build_exact_mtp_head, hf_greed
 
 
 @pytest.fixture(scope="module")
-def bigram(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Path]]:
-    """(model, exact MTP head, half-vocabulary MTP head) per family."""
+def bigram(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Path, Path]]:
+    """(model, exact MTP head, half-vocabulary MTP head, noisy MTP head) per family."""
     root = tmp_path_factory.mktemp("bigram")
     out = {}
     for family in ("llama", "qwen3"):
@@ -26,7 +26,9 @@ def bigram(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pa
         half = build_exact_mtp_head(
             model, root / f"{family}-half.safetensors", list(range(0, 320, 2))
         )
-        out[family] = (model, exact, half)
+        # often wrong at its best guess, often right at its second or third
+        noisy = build_exact_mtp_head(model, root / f"{family}-noisy.safetensors", noise=0.06)
+        out[family] = (model, exact, half, noisy)
     return out
 
 
@@ -101,7 +103,7 @@ def workload(model: Path, seed: int) -> list:
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_greedy_identical_across_the_matrix(bigram: dict, family: str) -> None:
-    model, _, half = bigram[family]
+    model, _, half, _ = bigram[family]
     work = workload(model, seed=1)
     base, _ = drive(model, None, False, work)
     for (_, p, sp), (toks, _) in zip(work, base, strict=True):
@@ -122,7 +124,7 @@ def test_greedy_identical_across_the_matrix(bigram: dict, family: str) -> None:
 
 
 def test_speculation_with_preemption_matches(bigram: dict) -> None:
-    model, _, half = bigram["llama"]
+    model, _, half, _ = bigram["llama"]
     work = [
         (0, p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
         for p in prompts(5, 7, 8, 16)
@@ -137,7 +139,7 @@ def test_speculation_with_preemption_matches(bigram: dict) -> None:
 
 @pytest.mark.parametrize("async_on", [False, True])
 def test_known_full_acceptance(bigram: dict, async_on: bool) -> None:
-    model, exact, _ = bigram["llama"]
+    model, exact, _, _ = bigram["llama"]
     work = [
         (0, p, SamplingParams(temperature=0, max_tokens=31, ignore_eos=True)) for p in prompts(4, 3)
     ]
@@ -153,7 +155,7 @@ def test_known_full_acceptance(bigram: dict, async_on: bool) -> None:
 
 @pytest.mark.parametrize("async_on", [False, True])
 def test_known_zero_acceptance(bigram: dict, async_on: bool) -> None:
-    model, _, _ = bigram["qwen3"]
+    model, _, _, _ = bigram["qwen3"]
     work = [
         (0, p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)) for p in prompts(3, 5)
     ]
@@ -167,7 +169,7 @@ def test_known_zero_acceptance(bigram: dict, async_on: bool) -> None:
 
 def test_ngram_full_acceptance_on_repetition(bigram: dict) -> None:
     """A bigram model that loops: once the cycle is in the history, every n-gram draft is right."""
-    model, _, _ = bigram["llama"]
+    model, _, _, _ = bigram["llama"]
     p = prompts(1, 9)[0]
     ref = hf_greedy(model, p, 80)
     got, stats = drive(
@@ -181,7 +183,7 @@ def test_ngram_full_acceptance_on_repetition(bigram: dict) -> None:
 
 
 def test_seeded_sampling_reproducible_with_speculation(bigram: dict) -> None:
-    model, _, half = bigram["llama"]
+    model, _, half, _ = bigram["llama"]
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=1234, ignore_eos=True)
     p = {"prompt_token_ids": prompts(1, 11)[0]}
     outs = []
@@ -201,7 +203,7 @@ def test_seeded_sampling_reproducible_with_speculation(bigram: dict) -> None:
 
 
 def test_bad_speculative_configs(bigram: dict, tmp_path: Path) -> None:
-    model, _, _ = bigram["llama"]
+    model, _, _, _ = bigram["llama"]
     with pytest.raises(ValueError, match="carries no MTP layer"):
         LLM(str(model), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="does not exist"):
@@ -221,7 +223,7 @@ def test_bad_speculative_configs(bigram: dict, tmp_path: Path) -> None:
 
 
 def test_disable_by_batch_size_pauses_drafts_in_large_batches(bigram: dict) -> None:
-    model, _, half = bigram["llama"]
+    model, _, half, _ = bigram["llama"]
     ps = prompts(4, 11)
     work = [(0, ps[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))] + [
         (0, p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) for p in ps[1:]
@@ -233,3 +235,78 @@ def test_disable_by_batch_size_pauses_drafts_in_large_batches(bigram: dict) -> N
     assert full == base and limited == base
     # drafts only once the short requests are gone (one request left running)
     assert 0 < stats["spec_num_drafts"] < full_stats["spec_num_drafts"]
+
+
+def tree(weights: Path, shape: str) -> dict:
+    return {"method": "mtp", "speculative_token_tree": shape, "draft_weights": str(weights)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_token_tree_alternatives_exact_and_engaged(bigram: dict, family: str) -> None:
+    """Alternatives to the first draft (side rows): same greedy output, more accepted."""
+    model, _, _, noisy = bigram[family]
+    work = workload(model, seed=1)
+    work[3] = (3, work[3][1], SamplingParams(temperature=0, max_tokens=25, logprobs=2))
+    base, _ = drive(model, None, False, work)
+    _, chain = drive(model, spec("mtp", 1, noisy), True, work)
+    for shape, depth in (("[(0,), (1,), (2,)]", 1), ("[(0,), (1,), (0, 0)]", 2)):
+        for async_on in (False, True):
+            got, stats = drive(model, tree(noisy, shape), async_on, work)
+            assert got == base, f"tree {shape} async={async_on} changed the output"
+            assert len(stats["spec_acceptance_per_position"]) == depth
+            assert stats["prefix_cache_hits"] > 0
+            # the alternatives were taken: more first-position acceptance than the chain
+            first = stats["spec_acceptance_per_position"][0]
+            assert first > chain["spec_acceptance_per_position"][0] + 0.05, (shape, stats)
+
+
+def test_token_tree_with_preemption_matches(bigram: dict) -> None:
+    model, _, _, noisy = bigram["llama"]
+    work = [
+        (0, p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        for p in prompts(5, 7, 8, 16)
+    ]
+    small = {"block_size": 4, "num_kv_blocks": 40, "max_model_len": 64}
+    base, _ = drive(model, None, False, work, **small)
+    got, stats = drive(model, tree(noisy, "[(0,), (1,), (2,), (0, 0)]"), True, work, **small)
+    assert got == base and stats["num_preemptions"] > 0 and stats["spec_num_accepted"] > 0
+    assert stats["num_free_blocks"] == 40
+
+
+def test_token_tree_seeded_sampling_reproducible(bigram: dict) -> None:
+    model, _, _, noisy = bigram["llama"]
+    params = SamplingParams(temperature=0.8, max_tokens=30, seed=99, ignore_eos=True)
+    p = {"prompt_token_ids": prompts(1, 12)[0]}
+    outs = []
+    for _ in range(2):
+        with LLM(
+            str(model), dtype="float32", speculative_config=tree(noisy, "[(0,), (1,)]")
+        ) as llm:
+            out = llm.generate([p, p], [params, SamplingParams(temperature=0.5)], use_tqdm=False)
+            outs.append(out[0].outputs[0].token_ids)
+            assert llm.get_stats()["spec_num_accepted"] > 0
+    assert outs[0] == outs[1]
+
+
+def test_bad_token_trees(bigram: dict) -> None:
+    model, _, _, noisy = bigram["llama"]
+    cases = [
+        ("[(0,), (1,), (1, 0)]", "only alternatives at the root"),
+        ("[(0,), (2,)]", "only alternatives at the root"),
+        ("(0, 1)", "list of index tuples"),
+        ("[(0,), (0,)]", "list of index tuples"),
+        ("not python", "list of index tuples"),
+    ]
+    for shape, message in cases:
+        with pytest.raises(ValueError, match=message):
+            LLM(str(model), speculative_config=tree(noisy, shape))
+    with pytest.raises(ValueError, match="must equal the number of nodes"):
+        LLM(
+            str(model),
+            speculative_config={**tree(noisy, "[(0,), (1,)]"), "num_speculative_tokens": 1},
+        )
+    with pytest.raises(ValueError, match='needs method "mtp"'):
+        LLM(
+            str(model),
+            speculative_config={"method": "ngram", "speculative_token_tree": "[(0,), (1,)]"},
+        )
