@@ -4,6 +4,7 @@ and free-form chat prompts. A large gap between the first and the others
 means the head memorised its data.
 
     .venv/bin/python benchmarks/mtp_acceptance.py [--draft-weights head.safetensors]
+        [--tree "[(0,), (1,), (2,)]"]   # acceptance of the head's top-3 instead of its top-1
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--draft-weights", default=None, help="default: the shipped head")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--tree", default=None, help="a speculative_token_tree (default: k=1)")
     ns = ap.parse_args()
     spec = {"method": "mtp", "num_speculative_tokens": 1}
+    if ns.tree:
+        spec = {"method": "mtp", "speculative_token_tree": ns.tree}
     if ns.draft_weights:
         spec["draft_weights"] = ns.draft_weights
     llm = LLM(speculative_config=spec, enable_prefix_caching=False)

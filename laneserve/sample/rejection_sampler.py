@@ -118,19 +118,21 @@ def verify_alternatives(
     """Try the alternatives of rows whose first draft was rejected (see the glossary)."""
     rows = alt.rows
     ra, w = alt.tokens.shape
-    l0 = logits.index_select(0, first.index_select(0, rows))  # [Ra, V]
     main_hit = num_accepted.index_select(0, rows) >= 1
     valid = num_valid.index_select(0, rows) >= 1
-    # greedy: the emitted first token is argmax_0 already; a hit only adds its bonus
-    acc = (alt.tokens == l0.argmax(dim=-1)[:, None]) & (valid & ~main_hit)[:, None]
     bonus = alt.logits.argmax(dim=-1).view(ra, w)
     if alt.batch.all_greedy:
+        # the emitted first token is argmax_0 already (the accepted draft equals it): a
+        # hit only adds its bonus
+        acc = (alt.tokens == tokens[rows, :1]) & (valid & ~main_hit)[:, None]
         hit = acc.any(dim=1)
         choice = acc.to(torch.int64).argmax(dim=1)
         second = torch.where(hit, bonus.gather(1, choice[:, None]).squeeze(1), tokens[rows, 1])
         tokens[rows, 1] = second
         num_accepted[rows] = torch.where(hit, 1, num_accepted[rows])
         return hit, choice
+    l0 = logits.index_select(0, first.index_select(0, rows))  # [Ra, V]
+    acc = (alt.tokens == l0.argmax(dim=-1)[:, None]) & (valid & ~main_hit)[:, None]  # greedy
     cands = torch.cat([drafts.index_select(0, rows)[:, :1], alt.tokens], dim=1)
     acc_r, bonus_r, recovered = _random_alternatives(l0, alt, cands)
     greedy = alt.batch.greedy[:, None]

@@ -211,6 +211,7 @@ class StepInputs:
     side_tables: torch.Tensor | None = None  # [Ra * W, C] int32: each side row's own table
     side_query_start_loc: torch.Tensor | None = None  # [Sd + Ra * W + 1] int32, decode + side
     side_last_slot: torch.Tensor | None = None  # [Sd + Ra * W] int64: -1, then side_slots
+    side_first_draft: torch.Tensor | None = None  # [Ra] token index of each row's d1
 
 
 class InputSlot:
@@ -350,6 +351,9 @@ def build_inputs(
         side_tables=dev(tables[0][side_rows].repeat(side_width, 0), torch.int32) if side else None,
         side_query_start_loc=dev(side_qsl, torch.int32) if side else None,
         side_last_slot=dev(side_last) if side else None,
+        side_first_draft=dev([int(starts[r + 1]) - sched[r].num_spec for r in side_rows])
+        if side
+        else None,
     )
 
 

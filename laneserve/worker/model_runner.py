@@ -292,9 +292,9 @@ class ModelRunner:
         hit, choice = rejection_sampler.verify_alternatives(
             logits, inp.sample_logit_start, drafts, num_valid, tokens, num_accepted, alt
         )
-        d1 = inp.sample_logit_start.index_select(0, inp.side_sample) + 1
-        d1_token = inp.logits_token_idx.index_select(0, d1)
-        side_rows.commit(self.kv_stacks[0], side, hit, choice, hidden, side_hidden, d1_token)
+        side_rows.commit(
+            self.kv_stacks[0], side, hit, choice, hidden, side_hidden, inp.side_first_draft
+        )
 
     def _commit(self, inp: StepInputs, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
         st = self.state
