@@ -46,6 +46,10 @@ def spec(method: str | None, k: int, weights: Path | None = None) -> dict | None
     return cfg
 
 
+def tree(weights: Path, shape: str) -> dict:
+    return {"method": "mtp", "speculative_token_tree": shape, "draft_weights": str(weights)}
+
+
 def drive(
     model: Path, spec_cfg: dict | None, async_on: bool, work: list, **kw: object
 ) -> tuple[list, dict]:
@@ -124,15 +128,16 @@ def test_greedy_identical_across_the_matrix(bigram: dict, family: str) -> None:
 
 
 def test_speculation_with_preemption_matches(bigram: dict) -> None:
-    model, _, half, _ = bigram["llama"]
+    model, _, half, noisy = bigram["llama"]
     work = [
         (0, p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
         for p in prompts(5, 7, 8, 16)
     ]
     small = {"block_size": 4, "num_kv_blocks": 40, "max_model_len": 64}
     base, _ = drive(model, None, False, work, **small)
-    for async_on in (False, True):
-        got, stats = drive(model, spec("mtp", 2, half), async_on, work, **small)
+    chain, branched = spec("mtp", 2, half), tree(noisy, "[(0,), (1,), (2,), (0, 0)]")
+    for cfg, async_on in ((chain, False), (chain, True), (branched, True)):
+        got, stats = drive(model, cfg, async_on, work, **small)
         assert got == base and stats["num_preemptions"] > 0 and stats["spec_num_accepted"] > 0
         assert stats["num_free_blocks"] == 40
 
@@ -237,10 +242,6 @@ def test_disable_by_batch_size_pauses_drafts_in_large_batches(bigram: dict) -> N
     assert 0 < stats["spec_num_drafts"] < full_stats["spec_num_drafts"]
 
 
-def tree(weights: Path, shape: str) -> dict:
-    return {"method": "mtp", "speculative_token_tree": shape, "draft_weights": str(weights)}
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_token_tree_alternatives_exact_and_engaged(bigram: dict, family: str) -> None:
     """Alternatives to the first draft (side rows): same greedy output, more accepted."""
@@ -258,19 +259,6 @@ def test_token_tree_alternatives_exact_and_engaged(bigram: dict, family: str) ->
             # the alternatives were taken: more first-position acceptance than the chain
             first = stats["spec_acceptance_per_position"][0]
             assert first > chain["spec_acceptance_per_position"][0] + 0.05, (shape, stats)
-
-
-def test_token_tree_with_preemption_matches(bigram: dict) -> None:
-    model, _, _, noisy = bigram["llama"]
-    work = [
-        (0, p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-        for p in prompts(5, 7, 8, 16)
-    ]
-    small = {"block_size": 4, "num_kv_blocks": 40, "max_model_len": 64}
-    base, _ = drive(model, None, False, work, **small)
-    got, stats = drive(model, tree(noisy, "[(0,), (1,), (2,), (0, 0)]"), True, work, **small)
-    assert got == base and stats["num_preemptions"] > 0 and stats["spec_num_accepted"] > 0
-    assert stats["num_free_blocks"] == 40
 
 
 def test_token_tree_seeded_sampling_reproducible(bigram: dict) -> None:
