@@ -248,6 +248,7 @@ def test_token_tree_alternatives_exact_and_engaged(bigram: dict, family: str) ->
     model, _, _, noisy = bigram[family]
     work = workload(model, seed=1)
     work[3] = (3, work[3][1], SamplingParams(temperature=0, max_tokens=25, logprobs=2))
+    work[4] = (4, work[4][1], SamplingParams(temperature=0, max_tokens=33, min_tokens=20))
     base, _ = drive(model, None, False, work)
     _, chain = drive(model, spec("mtp", 1, noisy), True, work)
     for shape, depth in (("[(0,), (1,), (2,)]", 1), ("[(0,), (1,), (0, 0)]", 2)):
