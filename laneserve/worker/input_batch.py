@@ -14,6 +14,7 @@ that only the device lane writes.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,6 +170,21 @@ class PrefillRow:
 
 
 @dataclass
+class SideInputs:
+    """Side rows of a step: the alternatives to first drafts (see side_rows.py)."""
+
+    width: int  # alternatives per row (W)
+    rows: torch.Tensor  # [Ra] step rows that carry alternatives
+    sample: torch.Tensor  # [Ra] their sampling-row index
+    sample_host: list[int]
+    slots: torch.Tensor  # [Ra, W] scratch KV slot per alternative
+    tables: torch.Tensor  # [Ra * W, C] int32: each side row's own (request's) table
+    query_start_loc: torch.Tensor  # [Sd + Ra * W + 1] int32: decode rows, then side rows
+    last_slot: torch.Tensor  # [Sd + Ra * W] int64: -1 for decode rows, then the slots
+    first_draft: torch.Tensor  # [Ra] token index of each row's d1
+
+
+@dataclass
 class StepInputs:
     step_id: int
     slot_index: int  # which InputSlot holds the buffers below
@@ -202,16 +218,7 @@ class StepInputs:
     sampling: SamplingBatch | None
     any_spec: bool
     dense_spec: bool = False  # every sampling row is a decode verifying max_spec drafts
-    # alternatives to the first draft (token tree root children), see side_rows.py
-    side_width: int = 0  # alternatives per row (W); 0: none this step
-    side_rows: torch.Tensor | None = None  # [Ra] rows that carry alternatives
-    side_sample: torch.Tensor | None = None  # [Ra] their sampling-row index
-    side_sample_host: list[int] = field(default_factory=list)
-    side_slots: torch.Tensor | None = None  # [Ra, W] scratch KV slot per alternative
-    side_tables: torch.Tensor | None = None  # [Ra * W, C] int32: each side row's own table
-    side_query_start_loc: torch.Tensor | None = None  # [Sd + Ra * W + 1] int32, decode + side
-    side_last_slot: torch.Tensor | None = None  # [Sd + Ra * W] int64: -1, then side_slots
-    side_first_draft: torch.Tensor | None = None  # [Ra] token index of each row's d1
+    side: SideInputs | None = None  # alternatives to first drafts (token tree) this step
 
 
 class InputSlot:
@@ -298,18 +305,12 @@ def build_inputs(
 
     max_spec = max((s.num_spec for s in sched), default=0)
     max_len = max((s.start + s.num_tokens + 1 for s in sched), default=1)
-    # rows with alternatives: speculative decodes without logprobs (whose position-1
-    # logprob would have to come from the alternative's row)
-    side = [
-        (r, i)
-        for i, r in enumerate(sample_idx)
-        if side_width and sched[r].decode and sched[r].num_spec and reqs[r].params.logprobs is None
-    ]
-    side_slots = side_base + np.arange(len(side) * side_width).reshape(len(side), side_width)
     tables = [_block_table(reqs, g, scratch_blocks[g], pad_cols) for g in range(table.num_groups)]
-    side_rows = [r for r, _ in side]
-    side_qsl = dec_qsl + [dec_qsl[-1] + j for j in range(1, side_slots.size + 1)]
-    side_last = np.concatenate([np.full(n_decode_rows, -1), side_slots.reshape(-1)])
+    side = None
+    if side_width:
+        side = _side_inputs(
+            sched, reqs, sample_idx, tables[0], dec_qsl, starts, side_width, side_base, dev
+        )
     return StepInputs(
         step_id=cmd.step_id,
         slot_index=slot.index,
@@ -343,17 +344,45 @@ def build_inputs(
         any_spec=max_spec > 0,
         dense_spec=max_spec > 0
         and all(sched[r].decode and sched[r].num_spec == max_spec for r in sample_idx),
-        side_width=side_width if side else 0,
-        side_rows=dev(side_rows) if side else None,
-        side_sample=dev([i for _, i in side]) if side else None,
-        side_sample_host=[i for _, i in side],
-        side_slots=dev(side_slots) if side else None,
-        side_tables=dev(tables[0][side_rows].repeat(side_width, 0), torch.int32) if side else None,
-        side_query_start_loc=dev(side_qsl, torch.int32) if side else None,
-        side_last_slot=dev(side_last) if side else None,
-        side_first_draft=dev([int(starts[r + 1]) - sched[r].num_spec for r in side_rows])
-        if side
-        else None,
+        side=side,
+    )
+
+
+def _side_inputs(
+    sched: list[ScheduledRequest],
+    reqs: list[WorkerRequest],
+    sample_idx: list[int],
+    table: np.ndarray,  # [R, C] the main group's block table
+    dec_qsl: list[int],
+    starts: np.ndarray,  # [R + 1] first token of each row
+    width: int,
+    base: int,  # first scratch slot
+    dev: Callable[..., torch.Tensor],
+) -> SideInputs | None:
+    """Side rows for speculative decodes without logprobs (a position-1 logprob would
+    have to come from the alternative's row); None when the step has none."""
+    side = [
+        (r, i)
+        for i, r in enumerate(sample_idx)
+        if sched[r].decode and sched[r].num_spec and reqs[r].params.logprobs is None
+    ]
+    if not side:
+        return None
+    rows = [r for r, _ in side]
+    slots = base + np.arange(len(side) * width).reshape(len(side), width)
+    n_decode = len(dec_qsl) - 1
+    return SideInputs(
+        width=width,
+        rows=dev(rows),
+        sample=dev([i for _, i in side]),
+        sample_host=[i for _, i in side],
+        slots=dev(slots),
+        tables=dev(table[rows].repeat(width, 0), torch.int32),
+        query_start_loc=dev(
+            dec_qsl + [dec_qsl[-1] + j for j in range(1, slots.size + 1)], torch.int32
+        ),
+        last_slot=dev(np.concatenate([np.full(n_decode, -1), slots.reshape(-1)])),
+        first_draft=dev([int(starts[r + 1]) - sched[r].num_spec for r in rows]),
     )
 
 

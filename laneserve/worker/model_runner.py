@@ -131,7 +131,7 @@ class ModelRunner:
         ids, positions, start = self._resolve_inputs(inp)
         meta = self._metadata(inp, positions, start, 0)
         side = side_hidden = None
-        if inp.side_width:
+        if inp.side is not None:
             side, ids_all, pos_all, meta_all = side_rows.plan(
                 inp, self.state.side_drafts, ids, positions, start, meta, self.block_size
             )
@@ -274,27 +274,26 @@ class ModelRunner:
         num_accepted: torch.Tensor,  # [Rs] updated in place
         num_valid: torch.Tensor,  # [Rs] drafts verified per row
     ) -> None:
-        sb, w, host = inp.sampling, inp.side_width, inp.side_sample_host
-        assert sb is not None
+        sb, si = inp.sampling, inp.side
+        assert sb is not None and si is not None
+        w, host = si.width, si.sample_host
         row_batch = alt_batch = sb  # the all-greedy path reads no per-row sampling state
         if not sb.all_greedy or sb.min_tokens is not None:
-            each = inp.side_sample.repeat_interleave(w)
+            each = si.sample.repeat_interleave(w)
             alt_batch = sb.expand([i for i in host for _ in range(w)], each)
-            row_batch = sb.expand(host, inp.side_sample)
+            row_batch = sb.expand(host, si.sample)
             if sb.min_tokens is not None:
                 num_known = (side.pos + 2).repeat_interleave(w)  # the alternative's output
                 sampler.apply_min_tokens(side_logits, alt_batch, num_known - alt_batch.prompt_len)
         alt = rejection_sampler.Alternatives(
-            inp.side_sample, side.tokens, side_logits, row_batch, alt_batch
+            si.sample, side.tokens, side_logits, row_batch, alt_batch
         )
         slots = inp.row_slot.index_select(0, inp.sample_rows)
         drafts = self.state.drafts.index_select(0, slots)[:, : inp.max_spec]
         hit, choice = rejection_sampler.verify_alternatives(
             logits, inp.sample_logit_start, drafts, num_valid, tokens, num_accepted, alt
         )
-        side_rows.commit(
-            self.kv_stacks[0], side, hit, choice, hidden, side_hidden, inp.side_first_draft
-        )
+        side_rows.commit(self.kv_stacks[0], side, hit, choice, hidden, side_hidden, si.first_draft)
 
     def _commit(self, inp: StepInputs, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
         st = self.state

@@ -55,7 +55,7 @@ def plan(
     block_size: int,
 ) -> tuple[SideStep, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """The side step, and the forward's ids, positions and metadata with side rows."""
-    rows, w = inp.side_rows, inp.side_width
+    rows, w = inp.side.rows, inp.side.width
     pos = start.index_select(0, rows)
     table = inp.block_tables[0].index_select(0, rows)  # [Ra, C]
     col = torch.div(pos + 1, block_size, rounding_mode="floor")
@@ -63,7 +63,7 @@ def plan(
     side = SideStep(
         pos=pos,
         tokens=alternatives.index_select(0, inp.row_slot.index_select(0, rows))[:, :w],
-        slots=inp.side_slots,
+        slots=inp.side.slots,
         real_slot=block * block_size + (pos + 1) % block_size,
         num_decode_tokens=meta.num_decode_tokens,
     )
@@ -88,14 +88,14 @@ def _side_metadata(
     return AttentionMetadata(
         slot_mapping=_insert(meta.slot_mapping, side.slots.flatten(), side.num_decode_tokens),
         num_decode_tokens=meta.num_decode_tokens + s,
-        decode_block_tables=torch.cat([meta.decode_block_tables, inp.side_tables]),
+        decode_block_tables=torch.cat([meta.decode_block_tables, inp.side.tables]),
         decode_seq_lens=torch.cat([meta.decode_seq_lens, (side_pos + 1).to(torch.int32)]),
-        decode_query_start_loc=inp.side_query_start_loc,
+        decode_query_start_loc=inp.side.query_start_loc,
         prefills=tuple(
             PrefillSpan(p.token_start + s, p.num_tokens, p.context_len, p.block_ids)
             for p in meta.prefills
         ),
-        decode_last_slot=inp.side_last_slot,
+        decode_last_slot=inp.side.last_slot,
     )
 
 
