@@ -25,6 +25,7 @@ from laneserve.model.attention import AttentionMetadata, PrefillSpan
 from laneserve.model.llama import LlamaModel
 from laneserve.protocol import RequestError, RequestOutput, StepResult, TokenLogprobs
 from laneserve.sample import rejection_sampler, sampler
+from laneserve.sample.sampler import SamplingBatch
 from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
 from laneserve.worker import side_rows
 from laneserve.worker.input_batch import SlotTable, StepInputs
@@ -244,6 +245,8 @@ class ModelRunner:
                 flat = sb.expand(inp.logits_sample_row_host, inp.logits_sample_row)
                 if num_output is not None:
                     sampler.apply_min_tokens(logits, flat, num_output)
+                if sb.penalties is not None:
+                    self._penalize_plain_rows(inp, logits, sb, num_known)
                 tokens, accepted = rejection_sampler.verify(
                     logits, flat, inp.logits_sample_row, inp.logits_offset, drafts, num_valid
                 )
@@ -261,6 +264,21 @@ class ModelRunner:
             chosen = tokens[inp.logits_sample_row, inp.logits_offset]
             logprobs = sampler.compute_logprobs(raw, chosen, sb.max_logprobs)
         return tokens, accepted, num_valid, logprobs
+
+    def _penalize_plain_rows(
+        self,
+        inp: StepInputs,
+        logits: torch.Tensor,  # [N, V] one row per (sampling row, offset)
+        sb: SamplingBatch,
+        num_known: torch.Tensor,  # [N]
+    ) -> None:
+        """Penalties in a step that also verifies drafts: requests with penalties never
+        speculate, so each has one logits row, at its sampling row's first."""
+        first = inp.sample_logit_start
+        rows = logits.index_select(0, first)  # [Rs, V]
+        hist = self.state.history.index_select(0, inp.row_slot.index_select(0, inp.sample_rows))
+        sampler.apply_penalties(rows, sb, hist, num_known.index_select(0, first))
+        logits.index_copy_(0, first, rows)
 
     def _verify_side(
         self,

@@ -227,6 +227,28 @@ def test_bad_speculative_configs(bigram: dict, tmp_path: Path) -> None:
         LLM(str(model), speculative_config={"method": "ngram", "disable_by_batch_size": 0})
 
 
+def test_penalty_requests_beside_speculation_keep_their_penalties(bigram: dict) -> None:
+    """Requests with penalties never speculate, but they share steps with ones that do:
+    their penalties must still apply there."""
+    model, _, half, noisy = bigram["llama"]
+    ps = prompts(3, 22, 10, 20)
+    penal = SamplingParams(
+        temperature=0, max_tokens=30, repetition_penalty=1.6, presence_penalty=0.8, ignore_eos=True
+    )
+    work = [
+        (0, ps[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+        (0, ps[1], penal),
+        (2, ps[2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+    ]
+    base, _ = drive(model, None, False, work)
+    unpenalized, _ = drive(model, None, False, [work[0], (0, ps[1], work[0][2]), work[2]])
+    assert base[1] != unpenalized[1]  # the penalties change this request's output
+    for cfg in (spec("mtp", 1, half), tree(noisy, "[(0,), (1,), (2,)]")):
+        got, stats = drive(model, cfg, True, work)
+        assert got == base, cfg
+        assert stats["spec_num_drafts"] > 0
+
+
 def test_disable_by_batch_size_pauses_drafts_in_large_batches(bigram: dict) -> None:
     model, _, half, _ = bigram["llama"]
     ps = prompts(4, 11)
