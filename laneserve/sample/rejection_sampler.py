@@ -84,6 +84,28 @@ def verify_greedy_dense(
     return argmax, ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
+def verify_tree_greedy(
+    argmax: torch.Tensor,  # [R * (K + 1) + R * W]: main rows, then each row's W alternatives
+    drafts: torch.Tensor,  # [R, K]
+    num_valid: torch.Tensor,  # [R]
+    alternatives: torch.Tensor,  # [R, W]
+) -> tuple[torch.Tensor, ...]:  # tokens [R, K + 1], num_accepted [R], hit [R], choice [R]
+    """verify_greedy_dense() then verify_alternatives() for an all-greedy step in which
+    every row is dense and carries alternatives: when d_0 is rejected, the alternative
+    equal to argmax_0 (if any) is accepted and followed by its own row's argmax."""
+    r, k = drafts.shape
+    tokens = argmax[: r * (k + 1)].view(r, k + 1)
+    bonus = argmax[r * (k + 1) :].view(r, -1)
+    ok = (drafts == tokens[:, :k]) & (torch.arange(k, device=drafts.device) < num_valid[:, None])
+    accepted = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    retry = (num_valid >= 1) & ~ok[:, 0]  # a real first draft, rejected
+    alt_ok = (alternatives == tokens[:, :1]) & retry[:, None]
+    hit = alt_ok.any(dim=1)
+    choice = alt_ok.to(torch.int64).argmax(dim=1)
+    tokens[:, 1] = torch.where(hit, bonus.gather(1, choice[:, None]).squeeze(1), tokens[:, 1])
+    return tokens, accepted.masked_fill_(hit, 1), hit, choice
+
+
 def _random_accept(
     logits: torch.Tensor,
     batch: SamplingBatch,

@@ -175,7 +175,9 @@ class SideInputs:
 
     width: int  # alternatives per row (W)
     rows: torch.Tensor  # [Ra] step rows that carry alternatives
+    state_slots: torch.Tensor  # [Ra] their requests' state slots
     sample: torch.Tensor  # [Ra] their sampling-row index
+    every_row: bool  # every sampling row carries alternatives (rows == sampling rows)
     sample_host: list[int]
     slots: torch.Tensor  # [Ra, W] scratch KV slot per alternative
     tables: torch.Tensor  # [Ra * W, C] int32: each side row's own (request's) table
@@ -374,7 +376,9 @@ def _side_inputs(
     return SideInputs(
         width=width,
         rows=dev(rows),
+        state_slots=dev([reqs[r].slot for r in rows]),
         sample=dev([i for _, i in side]),
+        every_row=len(side) == len(sample_idx),
         sample_host=[i for _, i in side],
         slots=dev(slots),
         tables=dev(table[rows].repeat(width, 0), torch.int32),

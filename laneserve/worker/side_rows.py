@@ -34,7 +34,7 @@ KvStack = tuple[torch.Tensor, torch.Tensor]  # K, V of a cache group: [L, blocks
 
 @dataclass
 class SideStep:
-    pos: torch.Tensor  # [Ra] position p of each row's last token
+    pos: torch.Tensor  # [Ra] position p + 1 of each row's first draft (and alternatives)
     tokens: torch.Tensor  # [Ra, W] the alternatives
     slots: torch.Tensor  # [Ra, W] their scratch slots
     real_slot: torch.Tensor  # [Ra] the request's slot of position p + 1
@@ -50,24 +50,20 @@ def plan(
     alternatives: torch.Tensor,  # [capacity, >= W] per-slot alternatives (device state)
     ids: torch.Tensor,  # [T] main token ids
     positions: torch.Tensor,  # [T]
-    start: torch.Tensor,  # [R] position of each row's first token
     meta: AttentionMetadata,  # the main tokens' metadata for the target group
-    block_size: int,
 ) -> tuple[SideStep, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """The side step, and the forward's ids, positions and metadata with side rows."""
-    rows, w = inp.side.rows, inp.side.width
-    pos = start.index_select(0, rows)
-    table = inp.block_tables[0].index_select(0, rows)  # [Ra, C]
-    col = torch.div(pos + 1, block_size, rounding_mode="floor")
-    block = table.gather(1, col[:, None]).squeeze(1)
+    si = inp.side
+    # d1's token: its position is p + 1 and its cache slot is the request's slot there
+    pos = positions.index_select(0, si.first_draft)
     side = SideStep(
         pos=pos,
-        tokens=alternatives.index_select(0, inp.row_slot.index_select(0, rows))[:, :w],
-        slots=inp.side.slots,
-        real_slot=block * block_size + (pos + 1) % block_size,
+        tokens=alternatives.index_select(0, si.state_slots)[:, : si.width],
+        slots=si.slots,
+        real_slot=meta.slot_mapping.index_select(0, si.first_draft),
         num_decode_tokens=meta.num_decode_tokens,
     )
-    side_pos = (pos + 1).repeat_interleave(w)
+    side_pos = pos.repeat_interleave(si.width)
     nd = side.num_decode_tokens
     return (
         side,

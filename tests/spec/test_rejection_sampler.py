@@ -6,7 +6,13 @@ from __future__ import annotations
 import torch
 
 from laneserve.sample import sampler
-from laneserve.sample.rejection_sampler import Alternatives, verify, verify_alternatives
+from laneserve.sample.rejection_sampler import (
+    Alternatives,
+    verify,
+    verify_alternatives,
+    verify_greedy_dense,
+    verify_tree_greedy,
+)
 from laneserve.sample.sampler import RowSampling
 from laneserve.sampling_params import SamplingParams
 
@@ -157,3 +163,33 @@ def test_alternatives_greedy_and_seeded() -> None:
     b2 = _with_alternatives(p0, bonus, 3, [1, 5], 300, seed=7)[0]
     c = _with_alternatives(p0, bonus, 3, [1, 5], 300, seed=8)[0]
     assert torch.equal(a, b2) and not torch.equal(a, c)
+
+
+def test_tree_greedy_fast_path_equals_the_general_one() -> None:
+    """verify_tree_greedy (one argmax, all rows dense with alternatives) decides exactly
+    what verify_greedy_dense + verify_alternatives decide, over random cases that cover
+    draft hits, alternative hits, misses and rows with fewer valid drafts."""
+    g = torch.Generator().manual_seed(3)
+    v, b = 6, flat_batch([SamplingParams(temperature=0)], [0], [None])
+    seen = set()
+    for _ in range(300):
+        r, k, w = int(torch.randint(1, 4, (1,), generator=g)), 1 + _ % 2, 2
+        main = torch.randn(r * (k + 1), v, generator=g)
+        side = torch.randn(r * w, v, generator=g)
+        drafts = torch.randint(0, 3, (r, k), generator=g)
+        num_valid = torch.randint(0, k + 1, (r,), generator=g)
+        alts = torch.stack([torch.randperm(v, generator=g)[:w] for _ in range(r)])
+        # alternatives are distinct from the row's first draft, as the proposer makes them
+        alts = torch.where(alts == drafts[:, :1], (alts + w) % v, alts)
+        tokens, acc = verify_greedy_dense(main, drafts, num_valid)
+        alt = Alternatives(
+            torch.arange(r), alts, side, b.expand([0] * r, torch.zeros(r, dtype=torch.int64)), b
+        )
+        first = torch.arange(r) * (k + 1)
+        hit, choice = verify_alternatives(main, first, drafts, num_valid, tokens, acc, alt)
+        fast = verify_tree_greedy(torch.cat([main, side]).argmax(-1), drafts, num_valid, alts)
+        f_tokens, f_acc, f_hit, f_choice = fast
+        assert torch.equal(f_tokens, tokens) and torch.equal(f_acc, acc)
+        assert torch.equal(f_hit, hit) and torch.equal(f_choice[hit], choice[hit])
+        seen.update((int(a), bool(h)) for a, h in zip(acc, hit, strict=True))
+    assert {(0, False), (1, True), (1, False)} <= seen  # misses, alternative and draft hits

@@ -12,6 +12,7 @@ import pytest
 from laneserve import LLM, SamplingParams
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
+from laneserve.worker.model_runner import ModelRunner
 from tests.tiny_models import build_bigram_model, build_exact_mtp_head, hf_greedy
 
 
@@ -282,6 +283,30 @@ def test_token_tree_alternatives_exact_and_engaged(bigram: dict, family: str) ->
             # the alternatives were taken: more first-position acceptance than the chain
             first = stats["spec_acceptance_per_position"][0]
             assert first > chain["spec_acceptance_per_position"][0] + 0.05, (shape, stats)
+
+
+def test_token_tree_all_greedy_fast_path_exact_and_engaged(
+    bigram: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps whose rows are all greedy, dense and with alternatives take the one-argmax
+    path (`_verify_tree_greedy`); the test above covers the general one."""
+    model, _, _, noisy = bigram["llama"]
+    calls = {"fast": 0}
+    fast = ModelRunner._verify_tree_greedy
+
+    def counted(self: ModelRunner, *args: object) -> object:
+        calls["fast"] += 1
+        return fast(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "_verify_tree_greedy", counted)
+    work = workload(model, seed=2)
+    base, _ = drive(model, None, False, work)
+    for shape in ("[(0,), (1,), (2,)]", "[(0,), (1,), (0, 0)]"):
+        for async_on in (False, True):
+            calls["fast"] = 0
+            got, stats = drive(model, tree(noisy, shape), async_on, work)
+            assert got == base, f"tree {shape} async={async_on} changed the output"
+            assert calls["fast"] > 0 and stats["spec_num_accepted"] > 0, (shape, calls, stats)
 
 
 def test_token_tree_seeded_sampling_reproducible(bigram: dict) -> None:
