@@ -39,6 +39,10 @@ CONFIGS = {
     "mtp k=2": {"method": "mtp", "num_speculative_tokens": 2},
     "mtp tree [(0,), (1,)]": {"method": "mtp", "speculative_token_tree": "[(0,), (1,)]"},
     f"mtp tree {TREE3}": {"method": "mtp", "speculative_token_tree": TREE3},
+    "mtp tree [(0,), (1,), (2,), (3,)]": {
+        "method": "mtp",
+        "speculative_token_tree": "[(0,), (1,), (2,), (3,)]",
+    },
     "mtp tree [(0,), (1,), (2,), (0, 0)]": {
         "method": "mtp",
         "speculative_token_tree": "[(0,), (1,), (2,), (0, 0)]",

@@ -207,8 +207,11 @@ class StepInputs:
     token_row: torch.Tensor  # [T] int64
     token_offset: torch.Tensor  # [T] int64
     token_is_draft: torch.Tensor  # [T] bool
+    token_draft_col: torch.Tensor  # [T] int64 drafts column of a draft token (clamped)
     decode_query_start_loc: torch.Tensor  # [Sd + 1] int32
     sample_rows: torch.Tensor  # [Rs] int64 rows that sample
+    sample_slot: torch.Tensor  # [Rs] int64 their state slots
+    token_slot: torch.Tensor  # [T] int64 state slot of each token's row
     sample_num_spec: torch.Tensor  # [Rs] int64
     logits_token_idx: torch.Tensor  # [N] int64 token rows to compute logits for
     logits_sample_row: torch.Tensor  # [N] int64 index into sample rows
@@ -332,8 +335,11 @@ def build_inputs(
         token_row=dev(tok[0]),
         token_offset=dev(tok[1]),
         token_is_draft=dev(tok[2], torch.bool),
+        token_draft_col=dev(np.clip(tok[1] - 1, 0, max(max_spec - 1, 0))),
         decode_query_start_loc=dev(dec_qsl, torch.int32),
         sample_rows=dev(sample_idx),
+        sample_slot=dev(rows[0][sample_idx]),
+        token_slot=dev(rows[0][tok[0]]),
         sample_num_spec=dev([sched[r].num_spec for r in sample_idx]),
         logits_token_idx=dev(logit_tok),
         logits_sample_row=dev(logit_row),

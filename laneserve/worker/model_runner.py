@@ -200,12 +200,9 @@ class ModelRunner:
         committed = st.committed.index_select(0, inp.row_slot)  # [R]
         start = torch.where(inp.row_decode, committed - 1, inp.row_start)
         positions = start.index_select(0, inp.token_row) + inp.token_offset  # [T]
-        tok_slot = inp.row_slot.index_select(0, inp.token_row)
-        ids = st.history[tok_slot, positions]
+        ids = st.history[inp.token_slot, positions]
         if inp.any_spec:
-            # prefill offsets run past the draft columns: clamp, token_is_draft masks them
-            col = (inp.token_offset - 1).clamp(min=0, max=st.drafts.shape[1] - 1)
-            draft = st.drafts[tok_slot, col]
+            draft = st.drafts[inp.token_slot, inp.token_draft_col]
             ids = torch.where(inp.token_is_draft, draft, ids)
         return ids, positions, start
 
@@ -255,8 +252,7 @@ class ModelRunner:
             if num_output is not None:
                 sampler.apply_min_tokens(logits, sb, num_output)
             if sb.penalties is not None:
-                slots = inp.row_slot.index_select(0, inp.sample_rows)
-                hist = self.state.history.index_select(0, slots)
+                hist = self.state.history.index_select(0, inp.sample_slot)
                 sampler.apply_penalties(logits, sb, hist, num_known)
             tokens = sampler.sample(logits, sb)[:, None]
             accepted, num_valid = torch.zeros_like(tokens[:, 0]), None
@@ -268,7 +264,7 @@ class ModelRunner:
 
     def _drafts(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts [Rs, max_spec], drafts to verify [Rs]) of the sampling rows."""
-        slots = inp.row_slot.index_select(0, inp.sample_rows)
+        slots = inp.sample_slot
         num_valid = torch.minimum(self.state.num_drafts.index_select(0, slots), inp.sample_num_spec)
         return self.state.drafts.index_select(0, slots)[:, : inp.max_spec], num_valid
 
@@ -303,7 +299,7 @@ class ModelRunner:
         speculate, so each has one logits row, at its sampling row's first."""
         first = inp.sample_logit_start
         rows = logits.index_select(0, first)  # [Rs, V]
-        hist = self.state.history.index_select(0, inp.row_slot.index_select(0, inp.sample_rows))
+        hist = self.state.history.index_select(0, inp.sample_slot)
         sampler.apply_penalties(rows, sb, hist, num_known.index_select(0, first))
         logits.index_copy_(0, first, rows)
 
@@ -346,7 +342,7 @@ class ModelRunner:
 
     def _commit(self, inp: StepInputs, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
         st = self.state
-        slots = inp.row_slot.index_select(0, inp.sample_rows)  # [Rs]
+        slots = inp.sample_slot
         base = st.committed.index_select(0, slots)
         cols = base[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]
         # NOTE: rejected tail positions are written too (no masking, no sync);
@@ -363,11 +359,10 @@ class ModelRunner:
         accepted: torch.Tensor | None,
     ) -> None:
         st = self.state
-        tok_slot = inp.row_slot.index_select(0, inp.token_row)
         # t[i+1] for every position i: the committed history (accepted tokens
         # and this step's samples are already in it).
-        next_tokens = st.history[tok_slot, (positions + 1).clamp(max=st.width - 1)]
-        slots = inp.row_slot.index_select(0, inp.sample_rows)
+        next_tokens = st.history[inp.token_slot, (positions + 1).clamp(max=st.width - 1)]
+        slots = inp.sample_slot
         last = inp.sample_logit_start + (accepted if accepted is not None else 0)
         last_index = inp.logits_token_idx.index_select(0, last) if accepted is not None else last
         meta_mtp = mtp_table = None
