@@ -194,6 +194,33 @@ class TorchKernels:
             flat = cache.view(-1, cache.shape[2], cache.shape[3])
             flat.index_copy_(0, slots[valid], src[valid].to(cache.dtype))
 
+    def verify_greedy(
+        self,
+        logits: torch.Tensor,  # [R * (K + 1) + R * W, V]: rows' positions, then alternatives
+        drafts: torch.Tensor,  # [R, K] int64, K >= 1
+        num_valid: torch.Tensor,  # [R] int64 real drafts per row
+        alternatives: torch.Tensor,  # [R, W] int64 (W may be 0), distinct from drafts[:, 0]
+    ) -> tuple[torch.Tensor, ...]:  # tokens [R, K + 1], accepted [R], hit [R], choice [R]
+        """Greedy verification of dense speculative rows (see sample/rejection_sampler.py):
+        accept d_j while it equals argmax_j; when d_0 is rejected, accept the alternative
+        equal to argmax_0 (if any), followed by its own row's argmax."""
+        r, k = drafts.shape
+        argmax = logits.argmax(dim=-1)
+        tokens = argmax[: r * (k + 1)].view(r, k + 1)
+        ok = (drafts == tokens[:, :k]) & (
+            torch.arange(k, device=drafts.device) < num_valid[:, None]
+        )
+        accepted = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
+        if alternatives.shape[1] == 0:
+            return tokens, accepted, torch.zeros_like(ok[:, 0]), torch.zeros_like(accepted)
+        bonus = argmax[r * (k + 1) :].view(r, -1)
+        retry = (num_valid >= 1) & ~ok[:, 0]  # a real first draft, rejected
+        alt_ok = (alternatives == tokens[:, :1]) & retry[:, None]
+        hit = alt_ok.any(dim=1)
+        choice = alt_ok.to(torch.int64).argmax(dim=1)
+        tokens[:, 1] = torch.where(hit, bonus.gather(1, choice[:, None]).squeeze(1), tokens[:, 1])
+        return tokens, accepted.masked_fill_(hit, 1), hit, choice
+
 
 def _gather_kv(
     cache: torch.Tensor,
@@ -233,6 +260,7 @@ class CpuKernels:
         self._silu_and_mul = ops.silu_and_mul
         self._paged_attention = ops.paged_attention
         self._write_kv_cache = ops.write_kv_cache
+        self._verify_greedy = ops.verify_greedy
         self._fallback = TorchKernels()
         self.isa = lib.isa  # linear's instruction set; both give the same bits
         self._isa = _ISA_CODE[lib.isa]
@@ -310,6 +338,15 @@ class CpuKernels:
         slot_mapping: torch.Tensor,  # [T] int64, block * block_size + offset; < 0 skipped
     ) -> None:
         self._write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def verify_greedy(
+        self,
+        logits: torch.Tensor,  # [R * (K + 1) + R * W, V] float32
+        drafts: torch.Tensor,  # [R, K] int64
+        num_valid: torch.Tensor,  # [R] int64
+        alternatives: torch.Tensor,  # [R, W] int64
+    ) -> tuple[torch.Tensor, ...]:  # as TorchKernels.verify_greedy, in one call
+        return self._verify_greedy(logits, drafts, num_valid, alternatives)
 
 
 Kernels = CpuKernels | TorchKernels

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -1272,6 +1273,104 @@ void write_kv_cache(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& 
   }
 }
 
+// ----------------------------------------------------------------------------
+// Greedy speculative verification (fused)
+// ----------------------------------------------------------------------------
+// Inside a decode step every small torch op costs ~10 us (the forward has just
+// streamed the weights through the caches), and torch's argmax reads logits at
+// ~1 GB/s; this op replaces the ~10-20 ops and the argmax passes of a greedy
+// verify with one call. Same decisions as rejection_sampler (see there).
+
+// torch.argmax semantics: the first index of the maximum; a NaN is the maximum.
+int64_t argmax_row(const float* x, int64_t n) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  __m256 vmax = _mm256_set1_ps(neg_inf);
+  __m256 nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(vmax, v);
+  }
+  float m = hmax(vmax);
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t j = i; j < n; ++j) {
+    any_nan = any_nan || std::isnan(x[j]);
+    m = x[j] > m ? x[j] : m;
+  }
+  if (any_nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  const __m256 mv = _mm256_set1_ps(m);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), mv, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+  for (; i < n; ++i)
+    if (x[i] == m) return i;
+  return 0;  // unreachable for n > 0
+}
+
+// logits [R * (K + 1) + R * W, V]: each row's K + 1 positions, then each row's W
+// alternatives. Returns (tokens [R, K + 1] = the main rows' argmaxes with column 1
+// replaced by the accepted alternative's own argmax, accepted [R], hit [R], choice [R]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_greedy(
+    const at::Tensor& logits_in, const at::Tensor& drafts_in, const at::Tensor& num_valid_in,
+    const at::Tensor& alternatives_in) {
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat,
+              "verify_greedy: logits must be float32 [M, V]");
+  TORCH_CHECK(drafts_in.dim() == 2 && drafts_in.size(1) >= 1, "verify_greedy: drafts [R, K>=1]");
+  const at::Tensor logits = logits_in.contiguous();
+  const at::Tensor drafts = drafts_in.to(at::kLong).contiguous();
+  const at::Tensor num_valid = num_valid_in.to(at::kLong).contiguous();
+  const at::Tensor alts = alternatives_in.to(at::kLong).contiguous();
+  const int64_t R = drafts.size(0), K = drafts.size(1), V = logits.size(1);
+  TORCH_CHECK(alts.dim() == 2 && alts.size(0) == R, "verify_greedy: alternatives [R, W]");
+  TORCH_CHECK(num_valid.dim() == 1 && num_valid.size(0) == R, "verify_greedy: num_valid [R]");
+  const int64_t W = alts.size(1);
+  TORCH_CHECK(logits.size(0) == R * (K + 1) + R * W, "verify_greedy: logits has ",
+              logits.size(0), " rows, expected R * (K + 1) + R * W = ", R * (K + 1) + R * W);
+  TORCH_CHECK(V > 0 || logits.size(0) == 0, "verify_greedy: empty vocabulary");
+  const int64_t M = logits.size(0);
+  std::vector<int64_t> am(M);
+  const float* lp = logits.data_ptr<float>();
+  at::parallel_for(0, M, rows_grain(V), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) am[i] = argmax_row(lp + i * V, V);
+  });
+  auto opts = drafts.options();
+  at::Tensor tokens = at::empty({R, K + 1}, opts);
+  at::Tensor accepted = at::empty({R}, opts);
+  at::Tensor hit = at::zeros({R}, opts.dtype(at::kBool));
+  at::Tensor choice = at::zeros({R}, opts);
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  int64_t* ap = accepted.data_ptr<int64_t>();
+  bool* hp = hit.data_ptr<bool>();
+  int64_t* cp = choice.data_ptr<int64_t>();
+  const int64_t* dp = drafts.data_ptr<int64_t>();
+  const int64_t* np = num_valid.data_ptr<int64_t>();
+  const int64_t* xp = alts.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t* t = tp + r * (K + 1);
+    for (int64_t j = 0; j <= K; ++j) t[j] = am[r * (K + 1) + j];
+    int64_t acc = 0;
+    while (acc < K && acc < np[r] && dp[r * K + acc] == t[acc]) ++acc;
+    if (acc == 0 && np[r] >= 1) {  // a real first draft, rejected: try the alternatives
+      for (int64_t w = 0; w < W; ++w) {
+        if (xp[r * W + w] == t[0]) {
+          hp[r] = true;
+          cp[r] = w;
+          t[1] = am[R * (K + 1) + r * W + w];
+          acc = 1;
+          break;
+        }
+      }
+    }
+    ap[r] = acc;
+  }
+  return {tokens, accepted, hit, choice};
+}
+
 }  // namespace
 }  // namespace laneserve
 
@@ -1290,6 +1389,9 @@ TORCH_LIBRARY(laneserve, m) {
   m.def(
       "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");
+  m.def(
+      "verify_greedy(Tensor logits, Tensor drafts, Tensor num_valid, Tensor alternatives) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
@@ -1301,4 +1403,5 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("silu_and_mul", &laneserve::silu_and_mul);
   m.impl("paged_attention", &laneserve::paged_attention);
   m.impl("write_kv_cache", &laneserve::write_kv_cache);
+  m.impl("verify_greedy", &laneserve::verify_greedy);
 }

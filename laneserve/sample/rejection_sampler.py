@@ -19,6 +19,9 @@ Glossary (per speculative row with k draft slots, target positions 0..k):
   without any candidate.
 Every row emits accepted + 1 tokens (1..k+1), distributed exactly as the
 target's own samples would be (the gpt-fast / Leviathan et al. rule).
+
+All-greedy steps whose rows all verify the same number of drafts (the usual decode
+step) take the same decisions in one fused op, `kernels.verify_greedy`.
 """
 
 from __future__ import annotations
@@ -69,41 +72,6 @@ def verify(
     cols = torch.arange(k + 1, device=logits.device)[None, :]
     tokens = torch.where(cols < num_accepted[:, None], d_pad, emit_pad)
     return tokens, num_accepted
-
-
-def verify_greedy_dense(
-    logits: torch.Tensor,  # [R * (K + 1), V]: every row speculative with K draft slots
-    drafts: torch.Tensor,  # [R, K]
-    num_valid: torch.Tensor,  # [R]
-) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [R, K + 1], num_accepted [R]
-    """verify() for all-greedy steps whose rows all verify K drafts (the common decode
-    step): the emitted tokens are the argmaxes themselves (accepted drafts equal them)."""
-    r, k = drafts.shape
-    argmax = logits.argmax(dim=-1).view(r, k + 1)
-    ok = (drafts == argmax[:, :k]) & (torch.arange(k, device=drafts.device) < num_valid[:, None])
-    return argmax, ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
-
-
-def verify_tree_greedy(
-    argmax: torch.Tensor,  # [R * (K + 1) + R * W]: main rows, then each row's W alternatives
-    drafts: torch.Tensor,  # [R, K]
-    num_valid: torch.Tensor,  # [R]
-    alternatives: torch.Tensor,  # [R, W]
-) -> tuple[torch.Tensor, ...]:  # tokens [R, K + 1], num_accepted [R], hit [R], choice [R]
-    """verify_greedy_dense() then verify_alternatives() for an all-greedy step in which
-    every row is dense and carries alternatives: when d_0 is rejected, the alternative
-    equal to argmax_0 (if any) is accepted and followed by its own row's argmax."""
-    r, k = drafts.shape
-    tokens = argmax[: r * (k + 1)].view(r, k + 1)
-    bonus = argmax[r * (k + 1) :].view(r, -1)
-    ok = (drafts == tokens[:, :k]) & (torch.arange(k, device=drafts.device) < num_valid[:, None])
-    accepted = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
-    retry = (num_valid >= 1) & ~ok[:, 0]  # a real first draft, rejected
-    alt_ok = (alternatives == tokens[:, :1]) & retry[:, None]
-    hit = alt_ok.any(dim=1)
-    choice = alt_ok.to(torch.int64).argmax(dim=1)
-    tokens[:, 1] = torch.where(hit, bonus.gather(1, choice[:, None]).squeeze(1), tokens[:, 1])
-    return tokens, accepted.masked_fill_(hit, 1), hit, choice
 
 
 def _random_accept(

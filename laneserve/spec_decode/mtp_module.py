@@ -82,12 +82,18 @@ class MtpTrainModule(nn.Module):
     def w(self, name: str) -> torch.Tensor:
         return self.layer[name.replace(".", "__")]
 
-    def forward(self, next_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """next_tokens [B, L] = t[i+1], hidden [B, L, H] = target h[i] -> logits [B, L, Vd]."""
+    def forward(
+        self, next_tokens: torch.Tensor, hidden: torch.Tensor, only: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """next_tokens [B, L] = t[i+1], hidden [B, L, H] = target h[i] -> logits [B, L, Vd],
+        or [n, Vd] at the n positions where `only` [B, L] is true (the MLP and the head, which
+        act per position, then run only there; attention still sees every position)."""
         a = self.arch
         e = _rms(F.embedding(next_tokens, self.embed), self.enorm, a.rms_norm_eps)
         x = torch.cat([e, _rms(hidden, self.hnorm, a.rms_norm_eps)], dim=-1) @ self.eh_proj.T
         y = x + self._attention(_rms(x, self.w("input_layernorm.weight"), a.rms_norm_eps))
+        if only is not None:
+            y = y[only]
         z = _rms(y, self.w("post_attention_layernorm.weight"), a.rms_norm_eps)
         gate = F.linear(z, self.w("mlp.gate_proj.weight"))
         up = F.linear(z, self.w("mlp.up_proj.weight"))

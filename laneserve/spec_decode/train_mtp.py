@@ -58,6 +58,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--holdout", type=int, default=32, help="sequences from unseen prompts to measure top-1 on"
     )
+    p.add_argument(
+        "--train-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="bfloat16: mixed precision (autocast; fp32 weights and optimizer), ~40%% faster "
+        "steps on CPUs with bf16 dot products (AVX512-BF16)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--dtype", default="auto")
@@ -213,7 +220,8 @@ def train_loop(
         nxt, hid, tgt = collate(epoch_batches.pop(), module.vocab_index)
         if not (tgt >= 0).any():
             continue  # every target outside the draft vocabulary: nothing to learn
-        loss = distill_loss(module, nxt, hid, tgt, ns.distill)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ns.train_dtype == "bfloat16"):
+            loss = distill_loss(module, nxt, hid, tgt, ns.distill)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -238,12 +246,12 @@ def distill_loss(
     ("hard"), or its whole distribution over the draft vocabulary ("soft"), which is the
     target's output at position i + 1, computed from h[i+1]."""
     mask = tgt >= 0
-    logits = module(nxt, hid)[mask]  # [n, Vd]
+    logits = module(nxt, hid, only=mask).float()  # [n, Vd]
     if mode == "hard":
         return F.cross_entropy(logits, tgt[mask])
     # NOTE: position i's target is never a sequence's last input, so h[i+1] exists.
     following = torch.cat([hid[:, 1:], torch.zeros_like(hid[:, :1])], dim=1)
-    teacher = module.teacher_logits(following[mask]).softmax(dim=-1)
+    teacher = module.teacher_logits(following[mask]).float().softmax(dim=-1)
     return -(teacher * logits.log_softmax(dim=-1)).sum(dim=-1).mean()
 
 

@@ -238,7 +238,9 @@ class ModelRunner:
         if inp.any_spec:
             drafts, num_valid = self._drafts(inp)
             if inp.dense_spec and sb.all_greedy and sb.min_tokens is None:
-                tokens, accepted = rejection_sampler.verify_greedy_dense(logits, drafts, num_valid)
+                tokens, accepted, _, _ = self.model.kernels.verify_greedy(
+                    logits, drafts, num_valid, drafts[:, :0]
+                )
             else:
                 flat = sb.expand(inp.logits_sample_row_host, inp.logits_sample_row)
                 if num_output is not None:
@@ -276,11 +278,11 @@ class ModelRunner:
         hidden: torch.Tensor,  # [T, H] main hidden (d1's row is replaced on a hit)
         side_hidden: torch.Tensor,  # [Rs * W, H]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The all-greedy token-tree step (see `_all_greedy_tree`): one argmax over every
-        row, then the same decisions as `_sample` + `_verify_side`, in fewer ops."""
+        """The all-greedy token-tree step (see `_all_greedy_tree`): one fused op decides
+        what `_sample` + `_verify_side` would."""
         drafts, num_valid = self._drafts(inp)
-        tokens, accepted, hit, choice = rejection_sampler.verify_tree_greedy(
-            logits.argmax(dim=-1), drafts, num_valid, side.tokens
+        tokens, accepted, hit, choice = self.model.kernels.verify_greedy(
+            logits, drafts, num_valid, side.tokens
         )
         assert inp.side is not None and self.kv_stacks is not None
         side_rows.commit(

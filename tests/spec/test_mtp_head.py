@@ -74,8 +74,10 @@ def test_train_mtp_cli_resumes_and_produces_a_working_head(
     assert first.returncode == 0, first.stderr[-2000:]
     info = json.loads(first.stdout.strip().splitlines()[-1])
     assert int(info["trained_positions"]) > 0 and info["draft_vocab"] == "200"
+    # resumed with mixed precision from the checkpoint on
+    again_args = ["--epochs", "2", "--draft-vocab", "200", "--dtype", "float32", "--resume"]
     again = subprocess.run(
-        [*cmd[:-6], "--epochs", "2", "--draft-vocab", "200", "--dtype", "float32", "--resume"],
+        [*cmd[:-6], *again_args, "--train-dtype", "bfloat16"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -121,6 +123,8 @@ def test_soft_distillation_targets_the_next_position(tiny_models: dict[str, Path
             want_hard.append(-logp[b, j, tgt[b, j]])
     torch.testing.assert_close(soft, torch.stack(want_soft).mean())
     torch.testing.assert_close(hard, torch.stack(want_hard).mean())
+    with torch.no_grad():  # the MLP and head at the target positions only: the same logits
+        torch.testing.assert_close(module(nxt, hid, only=tgt >= 0), module(nxt, hid)[tgt >= 0])
 
 
 def test_prompt_sets_are_disjoint() -> None:

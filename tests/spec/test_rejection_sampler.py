@@ -3,16 +3,12 @@ check that the output follows the target distribution, not the draft's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from laneserve.kernels import CpuKernels, TorchKernels, load_kernels
 from laneserve.sample import sampler
-from laneserve.sample.rejection_sampler import (
-    Alternatives,
-    verify,
-    verify_alternatives,
-    verify_greedy_dense,
-    verify_tree_greedy,
-)
+from laneserve.sample.rejection_sampler import Alternatives, verify, verify_alternatives
 from laneserve.sample.sampler import RowSampling
 from laneserve.sampling_params import SamplingParams
 
@@ -165,15 +161,21 @@ def test_alternatives_greedy_and_seeded() -> None:
     assert torch.equal(a, b2) and not torch.equal(a, c)
 
 
-def test_tree_greedy_fast_path_equals_the_general_one() -> None:
-    """verify_tree_greedy (one argmax, all rows dense with alternatives) decides exactly
-    what verify_greedy_dense + verify_alternatives decide, over random cases that cover
-    draft hits, alternative hits, misses and rows with fewer valid drafts."""
+def _kernel_sets() -> list[object]:
+    lib = load_kernels()
+    return [TorchKernels()] + ([CpuKernels(lib)] if lib is not None else [])
+
+
+@pytest.mark.parametrize("kernels", _kernel_sets(), ids=lambda k: k.name)
+def test_fused_greedy_verify_equals_the_general_path(kernels: object) -> None:
+    """kernels.verify_greedy (all rows dense, greedy; with or without alternatives) decides
+    exactly what verify + verify_alternatives decide, over random cases that cover draft
+    hits, alternative hits, misses and rows with fewer valid drafts."""
     g = torch.Generator().manual_seed(3)
-    v, b = 6, flat_batch([SamplingParams(temperature=0)], [0], [None])
+    v = 6
     seen = set()
-    for _ in range(300):
-        r, k, w = int(torch.randint(1, 4, (1,), generator=g)), 1 + _ % 2, 2
+    for case in range(400):
+        r, k, w = int(torch.randint(1, 4, (1,), generator=g)), 1 + case % 2, case % 3
         main = torch.randn(r * (k + 1), v, generator=g)
         side = torch.randn(r * w, v, generator=g)
         drafts = torch.randint(0, 3, (r, k), generator=g)
@@ -181,15 +183,44 @@ def test_tree_greedy_fast_path_equals_the_general_one() -> None:
         alts = torch.stack([torch.randperm(v, generator=g)[:w] for _ in range(r)])
         # alternatives are distinct from the row's first draft, as the proposer makes them
         alts = torch.where(alts == drafts[:, :1], (alts + w) % v, alts)
-        tokens, acc = verify_greedy_dense(main, drafts, num_valid)
-        alt = Alternatives(
-            torch.arange(r), alts, side, b.expand([0] * r, torch.zeros(r, dtype=torch.int64)), b
+        rows = [i for i in range(r) for _ in range(k + 1)]
+        b = flat_batch([SamplingParams(temperature=0)] * r, rows, [None] * r)
+        flat_off = torch.arange(k + 1).repeat(r)
+        tokens, acc = verify(main, b, torch.tensor(rows), flat_off, drafts, num_valid)
+        hit = torch.zeros(r, dtype=torch.bool)
+        if w:
+            own = [i * (k + 1) for i in range(r)]
+            alt = Alternatives(torch.arange(r), alts, side, b.expand(own, torch.tensor(own)), b)
+            hit, choice = verify_alternatives(
+                main, torch.tensor(own), drafts, num_valid, tokens, acc, alt
+            )
+        f_tokens, f_acc, f_hit, f_choice = kernels.verify_greedy(
+            torch.cat([main, side]), drafts, num_valid, alts
         )
-        first = torch.arange(r) * (k + 1)
-        hit, choice = verify_alternatives(main, first, drafts, num_valid, tokens, acc, alt)
-        fast = verify_tree_greedy(torch.cat([main, side]).argmax(-1), drafts, num_valid, alts)
-        f_tokens, f_acc, f_hit, f_choice = fast
-        assert torch.equal(f_tokens, tokens) and torch.equal(f_acc, acc)
-        assert torch.equal(f_hit, hit) and torch.equal(f_choice[hit], choice[hit])
+        assert torch.equal(f_tokens[:, : k + 1], tokens) and torch.equal(f_acc, acc)
+        assert torch.equal(f_hit, hit)
+        if w:
+            assert torch.equal(f_choice[hit], choice[hit])
         seen.update((int(a), bool(h)) for a, h in zip(acc, hit, strict=True))
     assert {(0, False), (1, True), (1, False)} <= seen  # misses, alternative and draft hits
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="CPU kernels unavailable")
+def test_fused_greedy_verify_argmax_follows_torch() -> None:
+    """Ties pick the first maximum, a NaN counts as the maximum, odd widths have tails."""
+    ck = CpuKernels(load_kernels())
+    g = torch.Generator().manual_seed(1)
+    for v in (1, 7, 8, 49152, 50257):
+        x = torch.randn(6, v, generator=g)
+        x[1] = 0.5  # all equal
+        x[2, v // 2 :] = x[2].max() + 1  # a tie at the first of many maxima
+        x[3, (3 * v) // 4] = float("nan")
+        x[4] = float("-inf")
+        x[5, -1] = float("inf")
+        drafts = torch.zeros((3, 1), dtype=torch.int64)
+        tokens, _, _, _ = ck.verify_greedy(
+            x, drafts, torch.ones(3, dtype=torch.int64), drafts[:, :0]
+        )
+        assert torch.equal(tokens.flatten(), x.argmax(dim=-1)), v
+    with pytest.raises(RuntimeError, match="expected R"):
+        ck.verify_greedy(torch.zeros(5, 4), drafts, torch.ones(3, dtype=torch.int64), drafts[:, :0])
