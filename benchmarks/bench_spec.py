@@ -4,12 +4,16 @@ concurrent, greedy, fixed length.
 
 Every configuration runs the same prompts. Timings on a shared VM swing by
 10-30 % from minute to minute, so the configurations of a case run in
-interleaved rounds (each round: every configuration once, a fresh engine each);
-the table prints the median tokens/s over the rounds, the median of the
-per-round ratios to no speculation, the acceptance rate, and checks that every
-output equals the no-speculation output token for token.
+interleaved rounds: by default each round runs every configuration once on a
+fresh engine; `--interleave prompt` keeps every engine up and runs each prompt
+group on every configuration in turn, so that drift hits all of them within
+seconds. The table prints the median tokens/s over the rounds, the median of
+the per-round ratios to no speculation, the acceptance rate, and checks that
+every output equals the no-speculation output token for token.
 
     .venv/bin/python benchmarks/bench_spec.py --max-tokens 128 --repeats 3
+    .venv/bin/python benchmarks/bench_spec.py --repeats 5 --cases chat \
+        --interleave prompt --worker-mode process
 """
 
 from __future__ import annotations
@@ -56,56 +60,108 @@ CONFIGS = {
 }
 
 
+class Engine:
+    """One configuration's engine, warmed up; `run` times one group of prompts."""
+
+    def __init__(self, spec: dict | None, ns: argparse.Namespace, warm_prompt: list[int]) -> None:
+        self.llm = LLM(
+            speculative_config=spec,
+            async_scheduling=not ns.no_async,
+            enable_prefix_caching=False,
+            worker_mode=ns.worker_mode,
+            kv_cache_memory=0.25 if ns.interleave == "prompt" else None,
+        )
+        self.params = SamplingParams(temperature=0, max_tokens=ns.max_tokens, ignore_eos=True)
+        self.llm.generate(
+            [{"prompt_token_ids": warm_prompt}], SamplingParams(max_tokens=4), use_tqdm=False
+        )
+        self.before = self.llm.get_stats()
+
+    def run(self, group: list[list[int]]) -> tuple[float, list[list[int]]]:
+        start = time.perf_counter()
+        outs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in group], self.params, use_tqdm=False
+        )
+        return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+
+    def finish(self) -> dict:
+        stats = self.llm.get_stats()
+        self.llm.shutdown()
+        steps = stats["num_steps"] - self.before["num_steps"]
+        tokens = stats["num_generation_tokens"] - self.before["num_generation_tokens"]
+        return {
+            "acceptance": stats.get("spec_acceptance_rate"),
+            "per_position": stats.get("spec_acceptance_per_position"),
+            "tokens_per_step": tokens / max(1, steps),
+        }
+
+
+def groups_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+    return [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+
+
 def measure(
-    spec: dict | None,
-    prompts: list[list[int]],
-    batch: int,
-    max_tokens: int,
-    async_on: bool,
-    worker_mode: str,
+    spec: dict | None, prompts: list[list[int]], batch: int, ns: argparse.Namespace
 ) -> dict:
-    llm = LLM(
-        speculative_config=spec,
-        async_scheduling=async_on,
-        enable_prefix_caching=False,
-        worker_mode=worker_mode,
-    )
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
-    before = llm.get_stats()
-    outs, start = [], time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        group = [{"prompt_token_ids": p} for p in prompts[i : i + batch]]
-        outs += [o.outputs[0].token_ids for o in llm.generate(group, params, use_tqdm=False)]
-    elapsed = time.perf_counter() - start
-    stats = llm.get_stats()
-    llm.shutdown()
-    steps = stats["num_steps"] - before["num_steps"]
-    tokens = stats["num_generation_tokens"] - before["num_generation_tokens"]
-    return {
-        "tok_s": len(prompts) * max_tokens / elapsed,
-        "acceptance": stats.get("spec_acceptance_rate"),
-        "per_position": stats.get("spec_acceptance_per_position"),
-        "tokens_per_step": tokens / max(1, steps),
-        "outputs": outs,
-    }
+    """One round of one configuration: a fresh engine, every prompt group once."""
+    eng = Engine(spec, ns, prompts[0])
+    elapsed, outs = 0.0, []
+    for group in groups_of(prompts, batch):
+        t, o = eng.run(group)
+        elapsed, outs = elapsed + t, outs + o
+    return {"tok_s": len(prompts) * ns.max_tokens / elapsed, "outputs": outs, **eng.finish()}
+
+
+def rounds_by_config(
+    names: list[str], prompts: list[list[int]], batch: int, ns: argparse.Namespace, title: str
+) -> dict[str, list[dict]]:
+    """--interleave config: each round runs every configuration in turn (fresh engines)."""
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    bar = tqdm(total=ns.repeats * len(names), desc=title, unit="run", leave=False)
+    for _ in range(ns.repeats):
+        for name in names:
+            runs[name].append(measure(CONFIGS[name], prompts, batch, ns))
+            bar.update(1)
+    bar.close()
+    return runs
+
+
+def rounds_by_prompt(
+    names: list[str], prompts: list[list[int]], batch: int, ns: argparse.Namespace, title: str
+) -> dict[str, list[dict]]:
+    """--interleave prompt: every engine stays up; each prompt group runs on every
+    configuration in turn (the order rotating per group), so a drift of the machine's
+    speed hits all configurations alike within seconds, not minutes."""
+    engines = {n: Engine(CONFIGS[n], ns, prompts[0]) for n in names}
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    groups = groups_of(prompts, batch)
+    bar = tqdm(total=ns.repeats * len(groups) * len(names), desc=title, unit="run", leave=False)
+    for r in range(ns.repeats):
+        took = {n: 0.0 for n in names}
+        outs: dict[str, list[list[int]]] = {n: [] for n in names}
+        for g, group in enumerate(groups):
+            shift = (r * len(groups) + g) % len(names)
+            for name in names[shift:] + names[:shift]:
+                t, o = engines[name].run(group)
+                took[name] += t
+                outs[name] += o
+                bar.update(1)
+        for n in names:
+            runs[n].append({"tok_s": len(prompts) * ns.max_tokens / took[n], "outputs": outs[n]})
+    bar.close()
+    for n in names:
+        final = engines[n].finish()
+        for run in runs[n]:
+            run.update(final)
+    return runs
 
 
 def run_case(
     names: list[str], prompts: list[list[int]], batch: int, ns: argparse.Namespace, title: str
 ) -> list[dict]:
     """Interleaved rounds; per configuration the median tok/s and median ratio."""
-    runs: dict[str, list[dict]] = {n: [] for n in names}
-    bar = tqdm(total=ns.repeats * len(names), desc=title, unit="run", leave=False)
-    for _ in range(ns.repeats):
-        for name in names:
-            runs[name].append(
-                measure(
-                    CONFIGS[name], prompts, batch, ns.max_tokens, not ns.no_async, ns.worker_mode
-                )
-            )
-            bar.update(1)
-    bar.close()
+    by = rounds_by_prompt if ns.interleave == "prompt" else rounds_by_config
+    runs = by(names, prompts, batch, ns, title)
     base = runs[names[0]]
     rows = []
     for name in names:
@@ -153,6 +209,14 @@ def main() -> None:
     ap.add_argument("--no-async", action="store_true")
     ap.add_argument("--worker-mode", default="thread", choices=("thread", "process"))
     ap.add_argument(
+        "--interleave",
+        default="config",
+        choices=("config", "prompt"),
+        help="config: a round runs each configuration on a fresh engine in turn; prompt: all "
+        "engines stay up and each prompt group runs on every configuration in turn "
+        "(finer interleaving; use with --worker-mode process)",
+    )
+    ap.add_argument(
         "--cases", default="chat,repeat,concurrent", help="comma-separated subset of the cases"
     )
     ns = ap.parse_args()
@@ -182,7 +246,10 @@ def main() -> None:
             ["no speculation", "mtp k=1", tree, "ngram k=3", f"{tree}, disable_by_batch_size=4"],
         ),
     }
-    mode = f"async {'off' if ns.no_async else 'on'}, worker {ns.worker_mode}"
+    mode = (
+        f"async {'off' if ns.no_async else 'on'}, worker {ns.worker_mode}, "
+        f"interleaved by {ns.interleave}"
+    )
     rows = []
     for key in ns.cases.split(","):
         if key not in cases:
