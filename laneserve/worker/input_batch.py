@@ -174,8 +174,7 @@ class SideInputs:
     """Side rows of a step: the alternatives to first drafts (see side_rows.py)."""
 
     width: int  # alternatives per row (W)
-    rows: torch.Tensor  # [Ra] step rows that carry alternatives
-    state_slots: torch.Tensor  # [Ra] their requests' state slots
+    state_slots: torch.Tensor  # [Ra] state slots of the rows that carry alternatives
     sample: torch.Tensor  # [Ra] their sampling-row index
     every_row: bool  # every sampling row carries alternatives (rows == sampling rows)
     sample_host: list[int]
@@ -381,7 +380,6 @@ def _side_inputs(
     n_decode = len(dec_qsl) - 1
     return SideInputs(
         width=width,
-        rows=dev(rows),
         state_slots=dev([reqs[r].slot for r in rows]),
         sample=dev([i for _, i in side]),
         every_row=len(side) == len(sample_idx),

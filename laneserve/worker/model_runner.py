@@ -148,14 +148,19 @@ class ModelRunner:
             if side is not None:  # NOTE: one LM-head pass for all rows (it streams the weight)
                 rows = torch.cat([rows, side_hidden])
             logits = self.model.compute_logits(rows)
+            drafts = None
+            if inp.any_spec:
+                drafts, num_valid = self._drafts(inp)
             if side is not None and _all_greedy_tree(inp):
-                tokens, num_accepted, num_valid = self._verify_tree_greedy(
-                    inp, side, logits, hidden, side_hidden
+                tokens, num_accepted = self._verify_tree_greedy(
+                    inp, side, logits, hidden, side_hidden, drafts, num_valid
                 )
             else:
                 n = inp.logits_token_idx.shape[0]
                 logits, side_logits = logits[:n], logits[n:]
-                tokens, num_accepted, num_valid, logprobs = self._sample(inp, logits, positions)
+                tokens, num_accepted, logprobs = self._sample(
+                    inp, logits, positions, drafts, num_valid
+                )
                 if side is not None:
                     self._verify_side(
                         inp,
@@ -166,6 +171,7 @@ class ModelRunner:
                         hidden,
                         tokens,
                         num_accepted,
+                        drafts,
                         num_valid,
                     )
             num_emitted = num_accepted + 1
@@ -225,9 +231,14 @@ class ModelRunner:
         )
 
     def _sample(
-        self, inp: StepInputs, logits: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
-        """(tokens [Rs, 1 + k], accepted [Rs], valid drafts [Rs] | None, logprobs)."""
+        self,
+        inp: StepInputs,
+        logits: torch.Tensor,
+        positions: torch.Tensor,
+        drafts: torch.Tensor | None,  # [Rs, max_spec] when the step verifies drafts
+        num_valid: torch.Tensor | None,  # [Rs] drafts to verify per row
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """(tokens [Rs, 1 + k], accepted [Rs], logprobs)."""
         sb = inp.sampling
         assert sb is not None
         raw = logits.clone() if sb.max_logprobs >= 0 else logits
@@ -235,9 +246,8 @@ class ModelRunner:
         if sb.min_tokens is not None or sb.penalties is not None:
             num_known = positions.index_select(0, inp.logits_token_idx) + 1  # [N]
             num_output = num_known - sb.prompt_len.index_select(0, inp.logits_sample_row)
-        if inp.any_spec:
-            drafts, num_valid = self._drafts(inp)
-            if inp.dense_spec and sb.all_greedy and sb.min_tokens is None:
+        if drafts is not None:
+            if _greedy_dense(inp):
                 tokens, accepted, _, _ = self.model.kernels.verify_greedy(
                     logits, drafts, num_valid, drafts[:, :0]
                 )
@@ -257,12 +267,12 @@ class ModelRunner:
                 hist = self.state.history.index_select(0, inp.sample_slot)
                 sampler.apply_penalties(logits, sb, hist, num_known)
             tokens = sampler.sample(logits, sb)[:, None]
-            accepted, num_valid = torch.zeros_like(tokens[:, 0]), None
+            accepted = torch.zeros_like(tokens[:, 0])
         logprobs = None
         if sb.max_logprobs >= 0:
             chosen = tokens[inp.logits_sample_row, inp.logits_offset]
             logprobs = sampler.compute_logprobs(raw, chosen, sb.max_logprobs)
-        return tokens, accepted, num_valid, logprobs
+        return tokens, accepted, logprobs
 
     def _drafts(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts [Rs, max_spec], drafts to verify [Rs]) of the sampling rows."""
@@ -277,10 +287,11 @@ class ModelRunner:
         logits: torch.Tensor,  # [N + Rs * W, V]: main rows, then side rows
         hidden: torch.Tensor,  # [T, H] main hidden (d1's row is replaced on a hit)
         side_hidden: torch.Tensor,  # [Rs * W, H]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        drafts: torch.Tensor,  # [Rs, max_spec]
+        num_valid: torch.Tensor,  # [Rs]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The all-greedy token-tree step (see `_all_greedy_tree`): one fused op decides
         what `_sample` + `_verify_side` would."""
-        drafts, num_valid = self._drafts(inp)
         tokens, accepted, hit, choice = self.model.kernels.verify_greedy(
             logits, drafts, num_valid, side.tokens
         )
@@ -288,7 +299,7 @@ class ModelRunner:
         side_rows.commit(
             self.kv_stacks[0], side, hit, choice, hidden, side_hidden, inp.side.first_draft
         )
-        return tokens, accepted, num_valid
+        return tokens, accepted
 
     def _penalize_plain_rows(
         self,
@@ -315,6 +326,7 @@ class ModelRunner:
         hidden: torch.Tensor,  # [T, H] main hidden (d1's row is replaced on a hit)
         tokens: torch.Tensor,  # [Rs, 1 + k] updated in place
         num_accepted: torch.Tensor,  # [Rs] updated in place
+        drafts: torch.Tensor,  # [Rs, max_spec]
         num_valid: torch.Tensor,  # [Rs] drafts verified per row
     ) -> None:
         sb, si = inp.sampling, inp.side
@@ -334,7 +346,7 @@ class ModelRunner:
         hit, choice = rejection_sampler.verify_alternatives(
             logits,
             inp.sample_logit_start,
-            self._drafts(inp)[0],
+            drafts,
             num_valid,
             tokens,
             num_accepted,
@@ -411,15 +423,15 @@ def _trim(x: TokenLogprobs, n: int) -> TokenLogprobs:
     return TokenLogprobs(x.token_id, x.logprob, x.rank, x.top_ids[:n], x.top_logprobs[:n])
 
 
+def _greedy_dense(inp: StepInputs) -> bool:
+    """Every sampling row verifies max_spec drafts, greedily, with no logits processing:
+    `kernels.verify_greedy` decides the step."""
+    sb = inp.sampling
+    return inp.dense_spec and sb.all_greedy and sb.min_tokens is None
+
+
 def _all_greedy_tree(inp: StepInputs) -> bool:
-    """Every sampling row verifies max_spec drafts plus alternatives, greedily, with no
-    logits processing or logprobs: the token-tree step of greedy decoding."""
-    sb, si = inp.sampling, inp.side
-    return (
-        si is not None
-        and si.every_row
-        and inp.dense_spec
-        and sb.all_greedy
-        and sb.min_tokens is None
-        and sb.max_logprobs < 0
-    )
+    """A greedy dense step in which every row also carries alternatives and none asks for
+    logprobs: the token-tree step of greedy decoding."""
+    si = inp.side
+    return si is not None and si.every_row and inp.sampling.max_logprobs < 0 and _greedy_dense(inp)
