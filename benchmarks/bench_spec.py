@@ -52,6 +52,18 @@ CONFIGS = {
         "speculative_token_tree": "[(0,), (1,), (2,), (0, 0)]",
     },
     "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3},
+    # the head's linears as int8 (`"quantization": "int8"`): half the bytes per draft
+    "mtp k=1, int8 head": {"method": "mtp", "num_speculative_tokens": 1, "quantization": "int8"},
+    f"mtp tree {TREE3}, int8 head": {
+        "method": "mtp",
+        "speculative_token_tree": TREE3,
+        "quantization": "int8",
+    },
+    "mtp tree [(0,), (1,), (2,), (0, 0)], int8 head": {
+        "method": "mtp",
+        "speculative_token_tree": "[(0,), (1,), (2,), (0, 0)]",
+        "quantization": "int8",
+    },
     f"mtp tree {TREE3}, disable_by_batch_size=4": {
         "method": "mtp",
         "speculative_token_tree": TREE3,

@@ -55,6 +55,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # alternatives for the first draft (verified in the same forward); a chain of
     # zeros under the first child ("(0, 0)", ...) drafts further positions.
     speculative_token_tree: str | None = None
+    # MTP: weight-only quantization of the head's linears at load ("int8": per output
+    # row, symmetric; the drafts change slightly, the verified output never does)
+    quantization: str | None = None
 
     @property
     def depth(self) -> int:
@@ -120,6 +123,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.method == "ngram" and self.draft_weights is not None:
             raise ValueError('"draft_weights" only applies to method "mtp"')
+        if self.quantization is not None:
+            if self.method != "mtp":
+                raise ValueError('"quantization" only applies to method "mtp"')
+            if self.quantization != "int8":  # kernels.QUANTIZATIONS
+                raise ValueError(f'unknown quantization {self.quantization!r}; supported: "int8"')
         if self.tree:
             self._validate_tree()
 

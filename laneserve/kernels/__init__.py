@@ -28,6 +28,7 @@ from laneserve.kernels.build import KernelLib, load_kernels
 __all__ = [
     "BATCH_INVARIANT_MAX_M",
     "PACK_BLOCK_N",
+    "QUANTIZATIONS",
     "CpuKernels",
     "KernelLib",
     "Kernels",
@@ -35,6 +36,7 @@ __all__ = [
     "TorchKernels",
     "get_kernels",
     "load_kernels",
+    "quantize_int8",
 ]
 
 # Largest M for which CpuKernels.linear guarantees batch invariance. The current kernel
@@ -51,6 +53,8 @@ _ISA_LAYOUT = {"avx2": LAYOUT_BLOCKED, "avx512": LAYOUT_BLOCKED_512}
 LAYOUT_TORCH = "torch"  # TorchKernels: plain [N, K] for F.linear (fp32 on CPU)
 
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Weight-only quantizations `pack_linear_weight` can apply at load (None: keep the dtype).
+QUANTIZATIONS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -62,13 +66,26 @@ class PackedWeight:
     in_features: int
     dtype: torch.dtype  # dtype of the original weight (storage dtype of the packed data)
     layout: str
+    scale: torch.Tensor | None = None  # [N] fp32 column scales of int8 weights
 
 
-def _check_weight(w: torch.Tensor) -> None:
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric weight-only int8 per output row: ``w ~= q * scale[:, None]``,
+    q in [-127, 127]; returns (q [N, K] int8, scale [N] fp32)."""
+    w32 = w.detach().float()
+    amax = w32.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w32 / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _check_weight(w: torch.Tensor, quantize: str | None) -> None:
     if w.dim() != 2:
         raise ValueError(f"linear weight must be 2-D [N, K], got shape {tuple(w.shape)}")
     if w.dtype not in _WEIGHT_DTYPES:
         raise TypeError(f"unsupported linear weight dtype {w.dtype}")
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise ValueError(f"unknown weight quantization {quantize!r}; supported: {QUANTIZATIONS}")
 
 
 class TorchKernels:
@@ -79,16 +96,21 @@ class TorchKernels:
 
     name = "torch"
 
-    def pack_linear_weight(self, w: torch.Tensor) -> PackedWeight:
+    def pack_linear_weight(self, w: torch.Tensor, quantize: str | None = None) -> PackedWeight:
         # NOTE: the weight is stored in the dtype linear() computes in. On CPU the
         # activations are fp32, so bf16/fp16 weights are upcast once here (fp32 MKL GEMM
         # beats torch's emulated bf16 GEMM on AVX2; costs 2x memory). Elsewhere (CUDA)
-        # activations are in the weight dtype and the weight is kept as is.
-        _check_weight(w)
-        data = w.detach()
+        # activations are in the weight dtype and the weight is kept as is. An int8
+        # weight is stored dequantized (q * scale): the same values, no speed gain.
+        _check_weight(w, quantize)
+        data, dtype = w.detach(), w.dtype
+        if quantize == "int8":
+            q, scale = quantize_int8(data)
+            deq = q.float() * scale[:, None]
+            data, dtype = deq if deq.device.type == "cpu" else deq.to(data.dtype), torch.int8
         if data.device.type == "cpu":
             data = data.to(torch.float32)
-        return PackedWeight(data.contiguous(), w.shape[0], w.shape[1], w.dtype, LAYOUT_TORCH)
+        return PackedWeight(data.contiguous(), w.shape[0], w.shape[1], dtype, LAYOUT_TORCH)
 
     def linear(
         self,
@@ -265,10 +287,15 @@ class CpuKernels:
         self.isa = lib.isa  # linear's instruction set; both give the same bits
         self._isa = _ISA_CODE[lib.isa]
 
-    def pack_linear_weight(self, w: torch.Tensor) -> PackedWeight:
-        _check_weight(w)
+    def pack_linear_weight(self, w: torch.Tensor, quantize: str | None = None) -> PackedWeight:
+        _check_weight(w, quantize)
+        layout = _ISA_LAYOUT[self.isa]
+        if quantize == "int8":  # int8 blocks in the fp32 layout; the scale applies per column
+            q, scale = quantize_int8(w)
+            data = self._pack(q, self._isa)
+            return PackedWeight(data, w.shape[0], w.shape[1], torch.int8, layout, scale)
         data = self._pack(w.detach(), self._isa)
-        return PackedWeight(data, w.shape[0], w.shape[1], w.dtype, _ISA_LAYOUT[self.isa])
+        return PackedWeight(data, w.shape[0], w.shape[1], w.dtype, layout)
 
     def linear(
         self,
@@ -276,7 +303,7 @@ class CpuKernels:
         w: PackedWeight,
         bias: torch.Tensor | None = None,  # [N] float32
     ) -> torch.Tensor:  # [M, N] float32
-        return self._linear(x, w.data, w.out_features, bias, self._isa)
+        return self._linear(x, w.data, w.out_features, bias, self._isa, w.scale)
 
     def rms_norm(
         self,

@@ -189,16 +189,24 @@ inline void load_w16(const at::Half* p, __m256& lo, __m256& hi) {
   lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
 }
+// int8 (weight-only quantized): the integer itself; the column scale is applied
+// to the finished dot product (LinearArgs::scale).
+inline void load_w16(const int8_t* p, __m256& lo, __m256& hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
+}
 
 struct LinearArgs {
   const float* x;     // [M, K] row-major
   const float* bias;  // [N] or nullptr
+  const float* scale;  // [N] per output column (int8 weights), or nullptr
   float* out;         // [M, N] row-major
   int64_t M, K, N;
 };
 
 // R rows x C blocks (16 C columns) tile. Each output element is one FMA chain
-// over k = 0..K-1 starting from 0, then + bias.
+// over k = 0..K-1 starting from 0, then * scale (int8 weights), then + bias.
 // NOTE (invariance): that chain is the same for every (R, C), so the choice of
 // tile never changes a result bit.
 template <typename W, int R, int C>
@@ -240,9 +248,16 @@ void linear_tile(const LinearArgs& a, const W* wblk, int64_t m0, int64_t b0) {
       b_lo = _mm256_load_ps(bias_buf);
       b_hi = _mm256_load_ps(bias_buf + 8);
     }
+    alignas(32) float scale_buf[kNB] = {0};
+    if (a.scale != nullptr) std::memcpy(scale_buf, a.scale + n0, sizeof(float) * valid);
+    const __m256 s_lo = _mm256_load_ps(scale_buf), s_hi = _mm256_load_ps(scale_buf + 8);
     for (int r = 0; r < R; ++r) {
-      const __m256 lo = a.bias ? _mm256_add_ps(acc[r][c][0], b_lo) : acc[r][c][0];
-      const __m256 hi = a.bias ? _mm256_add_ps(acc[r][c][1], b_hi) : acc[r][c][1];
+      __m256 lo = a.scale ? _mm256_mul_ps(acc[r][c][0], s_lo) : acc[r][c][0];
+      __m256 hi = a.scale ? _mm256_mul_ps(acc[r][c][1], s_hi) : acc[r][c][1];
+      if (a.bias) {
+        lo = _mm256_add_ps(lo, b_lo);
+        hi = _mm256_add_ps(hi, b_hi);
+      }
       float* dst = a.out + (m0 + r) * a.N + n0;
       if (valid == kNB) {
         _mm256_storeu_ps(dst, lo);
@@ -334,6 +349,9 @@ inline __m512 load_w16_512(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_w16_512(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 load_w16_512(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 template <typename W, int R, int C>
 void linear_tile512(const LinearArgs& a, const W* wblk, int64_t m0, int64_t b0) {
@@ -392,8 +410,10 @@ void linear_tile512(const LinearArgs& a, const W* wblk, int64_t m0, int64_t b0) 
     const int64_t valid = std::min<int64_t>(kNB, a.N - n0);
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
     const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
+    const __m512 s = a.scale ? _mm512_maskz_loadu_ps(mask, a.scale + n0) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
-      const __m512 v = a.bias ? _mm512_add_ps(acc[r][c], b) : acc[r][c];
+      __m512 v = a.scale ? _mm512_mul_ps(acc[r][c], s) : acc[r][c];
+      if (a.bias) v = _mm512_add_ps(v, b);
       _mm512_mask_storeu_ps(a.out + (m0 + r) * a.N + n0, mask, v);
     }
   }
@@ -457,8 +477,8 @@ at::Tensor pack_linear_weight(const at::Tensor& w, int64_t isa) {
   TORCH_CHECK(isa == kIsaAvx2 || isa == kIsaAvx512, "pack_linear_weight: unknown isa ", isa);
   TORCH_CHECK(w.dim() == 2, "pack_linear_weight: expected a 2-D [N, K] weight");
   const auto dt = w.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-              "pack_linear_weight: weight must be float32, bfloat16 or float16");
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf || dt == at::kChar,
+              "pack_linear_weight: weight must be float32, bfloat16, float16 or int8");
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t nblk = (N + kNB - 1) / kNB;
   at::Tensor padded = at::zeros({nblk * kNB, K}, w.options().device(at::kCPU));
@@ -474,7 +494,8 @@ at::Tensor pack_linear_weight(const at::Tensor& w, int64_t isa) {
 }
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
-                  const std::optional<at::Tensor>& bias_in, int64_t isa) {
+                  const std::optional<at::Tensor>& bias_in, int64_t isa,
+                  const std::optional<at::Tensor>& scale_in) {
   TORCH_CHECK(isa == kIsaAvx2 || isa == kIsaAvx512, "linear: unknown isa ", isa);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
               "linear: x must be a 2-D float32 tensor");
@@ -493,15 +514,25 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
     TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == n_out,
                 "linear: bias must be float32 [N]");
   }
+  const bool int8 = w.scalar_type() == at::kChar;
+  const bool has_scale = scale_in.has_value() && scale_in->defined();
+  TORCH_CHECK(int8 == has_scale, "linear: int8 weights need a float32 [N] scale, others none");
+  at::Tensor scale;
+  if (has_scale) {
+    scale = scale_in->contiguous();
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n_out,
+                "linear: scale must be float32 [N]");
+  }
   at::Tensor out = at::empty({M, n_out}, x.options());
   if (M == 0 || n_out == 0) return out;
   const LinearArgs a{x.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
-                     out.data_ptr<float>(), M, K, n_out};
+                     int8 ? scale.data_ptr<float>() : nullptr, out.data_ptr<float>(), M, K, n_out};
   if (isa == kIsaAvx512) {
     switch (w.scalar_type()) {
       case at::kFloat: linear_driver512<float>(a, w.data_ptr<float>()); break;
       case at::kBFloat16: linear_driver512<at::BFloat16>(a, w.data_ptr<at::BFloat16>()); break;
       case at::kHalf: linear_driver512<at::Half>(a, w.data_ptr<at::Half>()); break;
+      case at::kChar: linear_driver512<int8_t>(a, w.data_ptr<int8_t>()); break;
       default: TORCH_CHECK(false, "linear: unsupported weight dtype");
     }
     return out;
@@ -510,6 +541,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
     case at::kFloat: linear_driver<float>(a, w.data_ptr<float>()); break;
     case at::kBFloat16: linear_driver<at::BFloat16>(a, w.data_ptr<at::BFloat16>()); break;
     case at::kHalf: linear_driver<at::Half>(a, w.data_ptr<at::Half>()); break;
+    case at::kChar: linear_driver<int8_t>(a, w.data_ptr<int8_t>()); break;
     default: TORCH_CHECK(false, "linear: unsupported weight dtype");
   }
   return out;
@@ -1376,7 +1408,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_greedy(
 
 TORCH_LIBRARY(laneserve, m) {
   m.def("pack_linear_weight(Tensor w, int isa) -> Tensor");
-  m.def("linear(Tensor x, Tensor w, int out_features, Tensor? bias, int isa) -> Tensor");
+  m.def(
+      "linear(Tensor x, Tensor w, int out_features, Tensor? bias, int isa, "
+      "Tensor? scale=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def(

@@ -18,9 +18,15 @@ Kernels = CpuKernels | TorchKernels
 class Linear:
     """y = x @ W^T (+ b) with W packed once for the kernels."""
 
-    def __init__(self, kernels: Kernels, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        kernels: Kernels,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        quantize: str | None = None,  # weight-only quantization at load (kernels.QUANTIZATIONS)
+    ) -> None:
         self.kernels = kernels
-        self.weight: PackedWeight = kernels.pack_linear_weight(weight)
+        self.weight: PackedWeight = kernels.pack_linear_weight(weight, quantize)
         self.bias = bias
         self.out_features = int(weight.shape[0])
 
@@ -67,10 +73,16 @@ class Rotary:
 
 
 class GatedMLP:
-    def __init__(self, kernels: Kernels, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(
+        self,
+        kernels: Kernels,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        quantize: str | None = None,
+    ) -> None:
         self.kernels = kernels
-        self.gate_up = Linear(kernels, gate_up, None)
-        self.down = Linear(kernels, down, None)
+        self.gate_up = Linear(kernels, gate_up, None, quantize)
+        self.down = Linear(kernels, down, None, quantize)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.kernels.silu_and_mul(self.gate_up(x)))

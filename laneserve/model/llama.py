@@ -22,7 +22,13 @@ WeightGetter = Callable[[str], torch.Tensor]
 
 class DecoderLayer:
     def __init__(
-        self, arch: ArchConfig, kernels: Kernels, get: WeightGetter, prefix: str, rotary: Rotary
+        self,
+        arch: ArchConfig,
+        kernels: Kernels,
+        get: WeightGetter,
+        prefix: str,
+        rotary: Rotary,
+        quantize: str | None = None,  # weight-only quantization of the linears (MTP head)
     ) -> None:
         self.arch = arch
         self.kernels = kernels
@@ -36,15 +42,15 @@ class DecoderLayer:
             qkv_b = torch.cat(
                 [get(f"{a}.q_proj.bias"), get(f"{a}.k_proj.bias"), get(f"{a}.v_proj.bias")]
             )
-        self.qkv = Linear(kernels, qkv_w, qkv_b)
-        self.o_proj = Linear(kernels, get(f"{a}.o_proj.weight"), None)
+        self.qkv = Linear(kernels, qkv_w, qkv_b, quantize)
+        self.o_proj = Linear(kernels, get(f"{a}.o_proj.weight"), None, quantize)
         self.q_norm = self.k_norm = None
         if arch.qk_norm:
             self.q_norm = RMSNorm(kernels, get(f"{a}.q_norm.weight"), arch.rms_norm_eps)
             self.k_norm = RMSNorm(kernels, get(f"{a}.k_norm.weight"), arch.rms_norm_eps)
         m = f"{prefix}.mlp"
         gate_up = torch.cat([get(f"{m}.gate_proj.weight"), get(f"{m}.up_proj.weight")])
-        self.mlp = GatedMLP(kernels, gate_up, get(f"{m}.down_proj.weight"))
+        self.mlp = GatedMLP(kernels, gate_up, get(f"{m}.down_proj.weight"), quantize)
         self.input_norm = RMSNorm(
             kernels, get(f"{prefix}.input_layernorm.weight"), arch.rms_norm_eps
         )

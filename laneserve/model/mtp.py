@@ -41,24 +41,26 @@ class MtpHead:
         base: LlamaModel,
         base_get: WeightGetter,  # the base checkpoint's tensors (for lm_head rows)
         draft_vocab: torch.Tensor | None,  # [Vd] int64 token ids, or None = full vocabulary
+        quantize: str | None = None,  # weight-only quantization of the head's own linears
     ) -> None:
         p = mtp_prefix(arch)
         self.base = base
         self.kernels = kernels
         self.enorm = RMSNorm(kernels, get(f"{p}.enorm.weight"), arch.rms_norm_eps)
         self.hnorm = RMSNorm(kernels, get(f"{p}.hnorm.weight"), arch.rms_norm_eps)
-        self.eh_proj = Linear(kernels, get(f"{p}.eh_proj.weight"), None)
-        self.layer = DecoderLayer(arch, kernels, get, p, base.layers[0].rotary)
+        self.eh_proj = Linear(kernels, get(f"{p}.eh_proj.weight"), None, quantize)
+        self.layer = DecoderLayer(arch, kernels, get, p, base.layers[0].rotary, quantize)
         own_norm = f"{p}.shared_head.norm.weight"
         self.norm = (
             RMSNorm(kernels, get(own_norm), arch.rms_norm_eps) if has(own_norm) else base.norm
         )
         self.draft_vocab = draft_vocab
-        if draft_vocab is None:
+        if draft_vocab is None:  # NOTE: the shared LM head stays as the target uses it
             self.head = base.lm_head
         else:
             rows = base.embed_tokens if arch.tie_word_embeddings else base_get("lm_head.weight")
-            self.head = Linear(kernels, rows.index_select(0, draft_vocab.to(rows.device)), None)
+            rows = rows.index_select(0, draft_vocab.to(rows.device))
+            self.head = Linear(kernels, rows, None, quantize)
 
     def forward(
         self,
@@ -130,6 +132,7 @@ def load_mtp_head(
     kernels: Kernels,
     draft_weights: str | None,
     default_name: str | None,
+    quantize: str | None = None,
 ) -> MtpHead:
     src = mtp_weight_source(store, draft_weights, default_name)
     arch = store.ckpt.arch
@@ -141,4 +144,4 @@ def load_mtp_head(
     vocab = src.raw("draft_vocab").to(torch.int64) if src.has("draft_vocab") else None
     if vocab is not None and (vocab.min() < 0 or vocab.max() >= arch.vocab_size):
         raise MtpWeightsError("draft_vocab holds ids outside the model's vocabulary")
-    return MtpHead(arch, kernels, src, src.has, base, store, vocab)
+    return MtpHead(arch, kernels, src, src.has, base, store, vocab, quantize)

@@ -81,7 +81,12 @@ class Worker:
         self.mtp = None
         if spec is not None and spec.method == "mtp":
             self.mtp = load_mtp_head(
-                store, self.model, self.kernels, spec.draft_weights, self.ckpt.known_name
+                store,
+                self.model,
+                self.kernels,
+                spec.draft_weights,
+                self.ckpt.known_name,
+                spec.quantization,
             )
         self.block_size = config.cache.block_size
         self.groups = self._cache_groups()

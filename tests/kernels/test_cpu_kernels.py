@@ -25,6 +25,7 @@ from laneserve.kernels import (
     TorchKernels,
     get_kernels,
     load_kernels,
+    quantize_int8,
 )
 from laneserve.kernels import build as kbuild
 
@@ -140,6 +141,48 @@ def test_linear_isa_variants_bit_identical(ck: CpuKernels, dtype) -> None:
             x = randn(m, k, seed=m + k, scale=2.0)
             assert torch.equal(k512.linear(x, p512, bias), k2.linear(x, p2, bias)), (n, k, m)
             assert torch.equal(k512.linear(x, p512), k2.linear(x, p2)), (n, k, m)
+
+
+def test_linear_int8_weights(ck: CpuKernels, tk: TorchKernels) -> None:
+    """Weight-only int8: both ISAs give the same bits, match the dequantized weight in
+    float64, keep batch invariance; a bad scale or quantization name is an error."""
+    lib = load_kernels()
+    variants = [ck]
+    if (kbuild.cpu_flags() or set()) >= kbuild.AVX512_CPU_FLAGS:
+        variants = [CpuKernels(dataclasses.replace(lib, isa=i)) for i in ("avx2", "avx512")]
+    for n, k in [(960, 576), (37, 33), (16, 1), (130, 7)]:
+        w = randn(n, k, seed=n + k).to(torch.bfloat16)
+        bias = randn(n, seed=n)
+        q, scale = quantize_int8(w)
+        assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+        deq = q.double() * scale.double()[:, None]
+        assert (deq - w.double()).abs().max() <= scale.max() / 2 + 1e-6  # rounding, no clip
+        tw = tk.pack_linear_weight(w, "int8")
+        outs = []
+        for kern in variants:
+            pw = kern.pack_linear_weight(w, "int8")
+            assert pw.dtype == torch.int8 and pw.scale is not None
+            x = randn(13, k, seed=k, scale=2.0)
+            y = kern.linear(x, pw, bias)
+            ref = x.double() @ deq.T + bias.double()
+            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(y, tk.linear(x, tw, bias), rtol=1e-5, atol=1e-4)
+            for m in (1, 2, 6, 7):  # batch invariance: row 0 alone equals row 0 in a batch
+                assert torch.equal(kern.linear(x[:m], pw, bias)[0], y[0]), (n, k, m)
+            outs.append(y)
+        assert all(torch.equal(o, outs[0]) for o in outs)  # AVX2 and AVX-512: same bits
+    pw = ck.pack_linear_weight(randn(20, 8, seed=1), "int8")
+    with pytest.raises(RuntimeError, match="scale"):
+        ck._linear(randn(2, 8, seed=3), pw.data, 20, None, ck._isa, None)
+    with pytest.raises(RuntimeError, match="scale"):
+        ck._linear(randn(2, 8, seed=3), pw.data, 20, None, ck._isa, torch.ones(19))
+    with pytest.raises(ValueError, match="unknown weight quantization"):
+        ck.pack_linear_weight(randn(20, 8, seed=1), "int4")
+    with pytest.raises(ValueError, match="unknown weight quantization"):
+        tk.pack_linear_weight(randn(20, 8, seed=1), "fp8")
+    zero = torch.zeros(4, 8)
+    q, scale = quantize_int8(zero)  # an all-zero row quantizes to zeros, scale 1
+    assert not q.any() and torch.equal(scale, torch.ones(4))
 
 
 def test_linear_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from laneserve import LLM, SamplingParams
+from laneserve import kernels as kernels_mod
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
 from laneserve.worker.model_runner import ModelRunner
@@ -226,6 +227,34 @@ def test_bad_speculative_configs(bigram: dict, tmp_path: Path) -> None:
         LLM(str(model), speculative_config={"method": "ngram", "k": 2})
     with pytest.raises(ValueError, match="disable_by_batch_size must be >= 1"):
         LLM(str(model), speculative_config={"method": "ngram", "disable_by_batch_size": 0})
+    with pytest.raises(ValueError, match='"quantization" only applies to method "mtp"'):
+        LLM(str(model), speculative_config={"method": "ngram", "quantization": "int8"})
+    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+        LLM(str(model), speculative_config={"method": "mtp", "quantization": "int4"})
+
+
+def test_int8_mtp_head_exact_and_engaged(bigram: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "quantization": "int8" packs the head's linears as int8 (counted): the drafts may
+    change, the output may not; chain and tree, async on and off."""
+    model, _, _, noisy = bigram["llama"]
+    packed = {"int8": 0}
+    quantize = kernels_mod.quantize_int8
+
+    def counted(w: object) -> object:
+        packed["int8"] += 1
+        return quantize(w)
+
+    monkeypatch.setattr(kernels_mod, "quantize_int8", counted)
+    work = workload(model, seed=3)
+    base, _ = drive(model, None, False, work)
+    for cfg in (spec("mtp", 2, noisy), tree(noisy, "[(0,), (1,), (2,)]")):
+        for async_on in (False, True):
+            packed["int8"] = 0
+            got, stats = drive(model, {**cfg, "quantization": "int8"}, async_on, work)
+            assert got == base, f"int8 head {cfg} async={async_on} changed the output"
+            # eh_proj, qkv, o_proj, gate_up, down (the noisy head has the full vocabulary)
+            assert packed["int8"] == 5, packed
+            assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] > 0, stats
 
 
 def test_penalty_requests_beside_speculation_keep_their_penalties(bigram: dict) -> None:
