@@ -101,9 +101,17 @@ class Engine:
         self.llm.shutdown()
         steps = stats["num_steps"] - self.before["num_steps"]
         tokens = stats["num_generation_tokens"] - self.before["num_generation_tokens"]
+        acceptance = per_position = None
+        if "spec_num_drafts" in stats:  # this run only (the warm-up run drafted too)
+            drafts, accepted = (
+                [a - b for a, b in zip(stats[k], self.before[k], strict=True)]
+                for k in ("spec_num_drafts_per_position", "spec_num_accepted_per_position")
+            )
+            acceptance = sum(accepted) / sum(drafts) if sum(drafts) else None
+            per_position = [a / d if d else 0.0 for a, d in zip(accepted, drafts, strict=True)]
         return {
-            "acceptance": stats.get("spec_acceptance_rate"),
-            "per_position": stats.get("spec_acceptance_per_position"),
+            "acceptance": acceptance,
+            "per_position": per_position,
             "tokens_per_step": tokens / max(1, steps),
         }
 

@@ -136,6 +136,9 @@ class LLMEngine:
                         a / d if d else 0.0
                         for a, d in zip(s.accepted_per_position, s.drafts_per_position, strict=True)
                     ],
+                    # raw counts, so that a caller can take the difference of two snapshots
+                    "spec_num_drafts_per_position": list(s.drafts_per_position),
+                    "spec_num_accepted_per_position": list(s.accepted_per_position),
                 }
             )
         return out

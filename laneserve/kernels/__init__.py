@@ -243,6 +243,31 @@ class TorchKernels:
         tokens[:, 1] = torch.where(hit, bonus.gather(1, choice[:, None]).squeeze(1), tokens[:, 1])
         return tokens, accepted.masked_fill_(hit, 1), hit, choice
 
+    def commit_side_rows(
+        self,
+        k_stack: torch.Tensor,  # [L, blocks, bs, Hk, D] a cache group's keys, every layer
+        v_stack: torch.Tensor,
+        side_slots: torch.Tensor,  # [R, W] int64 each alternative's scratch slot
+        real_slot: torch.Tensor,  # [R] int64 the request's slot at p + 1
+        hit: torch.Tensor,  # [R] bool an alternative was accepted
+        choice: torch.Tensor,  # [R] int64 which one
+        hidden: torch.Tensor,  # [T, H] main rows' hidden, patched in place
+        side_hidden: torch.Tensor,  # [R * W, H]
+        first_draft: torch.Tensor,  # [R] int64 token row of each row's d1
+    ) -> None:
+        """Token tree: an accepted alternative becomes the request's token at p + 1 (its
+        K/V copied into the request's slot in every layer, its hidden row over d1's)."""
+        picked = side_slots.gather(1, choice[:, None]).squeeze(1)
+        src = torch.where(hit, picked, real_slot)  # no hit: the slot onto itself
+        for stack in (k_stack, v_stack):
+            flat = stack.flatten(1, 2)  # [L, blocks * bs, Hk, D] (a view)
+            flat.index_copy_(1, real_slot, flat.index_select(1, src))
+        w = side_slots.shape[1]
+        alt_h = side_hidden.view(-1, w, side_hidden.shape[1])
+        alt_h = alt_h[torch.arange(alt_h.shape[0], device=alt_h.device), choice]
+        own = hidden.index_select(0, first_draft)
+        hidden.index_copy_(0, first_draft, torch.where(hit[:, None], alt_h, own))
+
 
 def _gather_kv(
     cache: torch.Tensor,
@@ -283,6 +308,7 @@ class CpuKernels:
         self._paged_attention = ops.paged_attention
         self._write_kv_cache = ops.write_kv_cache
         self._verify_greedy = ops.verify_greedy
+        self._commit_side_rows = ops.commit_side_rows
         self._fallback = TorchKernels()
         self.isa = lib.isa  # linear's instruction set; both give the same bits
         self._isa = _ISA_CODE[lib.isa]
@@ -374,6 +400,22 @@ class CpuKernels:
         alternatives: torch.Tensor,  # [R, W] int64
     ) -> tuple[torch.Tensor, ...]:  # as TorchKernels.verify_greedy, in one call
         return self._verify_greedy(logits, drafts, num_valid, alternatives)
+
+    def commit_side_rows(
+        self,
+        k_stack: torch.Tensor,
+        v_stack: torch.Tensor,
+        side_slots: torch.Tensor,
+        real_slot: torch.Tensor,
+        hit: torch.Tensor,
+        choice: torch.Tensor,
+        hidden: torch.Tensor,
+        side_hidden: torch.Tensor,
+        first_draft: torch.Tensor,
+    ) -> None:  # see TorchKernels.commit_side_rows
+        self._commit_side_rows(
+            k_stack, v_stack, side_slots, real_slot, hit, choice, hidden, side_hidden, first_draft
+        )
 
 
 Kernels = CpuKernels | TorchKernels

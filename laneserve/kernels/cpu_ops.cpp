@@ -1403,6 +1403,69 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_greedy(
   return {tokens, accepted, hit, choice};
 }
 
+// ----------------------------------------------------------------------------
+// Token tree: commit the accepted alternatives (fused)
+// ----------------------------------------------------------------------------
+// For each row with a hit, the accepted alternative becomes the request's token
+// at p + 1: its K and V (every layer of the stacked caches) are copied from its
+// scratch slot into the request's slot, and its hidden row replaces d1's row.
+// Rows without a hit are left alone. One call instead of ~12 small torch ops.
+
+void commit_side_rows(at::Tensor& k_stack, at::Tensor& v_stack, const at::Tensor& side_slots,
+                      const at::Tensor& real_slot, const at::Tensor& hit,
+                      const at::Tensor& choice, at::Tensor& hidden,
+                      const at::Tensor& side_hidden, const at::Tensor& first_draft) {
+  TORCH_CHECK(k_stack.dim() == 5 && k_stack.sizes() == v_stack.sizes() &&
+                  k_stack.is_contiguous() && v_stack.is_contiguous() &&
+                  k_stack.scalar_type() == v_stack.scalar_type(),
+              "commit_side_rows: K and V stacks must be contiguous [L, blocks, bs, Hk, D] alike");
+  TORCH_CHECK(side_slots.dim() == 2 && side_slots.scalar_type() == at::kLong,
+              "commit_side_rows: side_slots must be int64 [R, W]");
+  const int64_t R = side_slots.size(0), W = side_slots.size(1);
+  for (const at::Tensor* t : {&real_slot, &choice, &first_draft})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == R && t->scalar_type() == at::kLong,
+                "commit_side_rows: real_slot, choice and first_draft must be int64 [R]");
+  TORCH_CHECK(hit.dim() == 1 && hit.size(0) == R && hit.scalar_type() == at::kBool,
+              "commit_side_rows: hit must be bool [R]");
+  TORCH_CHECK(hidden.dim() == 2 && side_hidden.dim() == 2 && hidden.size(1) == side_hidden.size(1) &&
+                  hidden.scalar_type() == side_hidden.scalar_type() && hidden.stride(1) == 1 &&
+                  side_hidden.stride(1) == 1 && side_hidden.size(0) == R * W,
+              "commit_side_rows: hidden [T, H] and side_hidden [R * W, H] with unit column stride");
+  const at::Tensor ss = side_slots.contiguous(), rs = real_slot.contiguous(),
+                   hs = hit.contiguous(), cs = choice.contiguous(), fd = first_draft.contiguous();
+  const int64_t L = k_stack.size(0);
+  const int64_t num_slots = k_stack.size(1) * k_stack.size(2);
+  const int64_t slot_bytes = k_stack.size(3) * k_stack.size(4) * k_stack.element_size();
+  const int64_t layer_bytes = num_slots * slot_bytes;
+  const int64_t H = hidden.size(1), row_bytes = H * hidden.element_size();
+  char* kb = static_cast<char*>(k_stack.data_ptr());
+  char* vb = static_cast<char*>(v_stack.data_ptr());
+  char* hb = static_cast<char*>(hidden.data_ptr());
+  const char* sb = static_cast<const char*>(side_hidden.data_ptr());
+  const int64_t hstride = hidden.stride(0) * hidden.element_size();
+  const int64_t sstride = side_hidden.stride(0) * side_hidden.element_size();
+  const int64_t* slots = ss.data_ptr<int64_t>();
+  const int64_t* real = rs.data_ptr<int64_t>();
+  const bool* hits = hs.data_ptr<bool>();
+  const int64_t* chosen = cs.data_ptr<int64_t>();
+  const int64_t* rows = fd.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    if (!hits[r]) continue;
+    const int64_t c = chosen[r];
+    TORCH_CHECK(c >= 0 && c < W, "commit_side_rows: choice ", c, " out of range");
+    const int64_t src = slots[r * W + c], dst = real[r];
+    TORCH_CHECK(src >= 0 && src < num_slots && dst >= 0 && dst < num_slots,
+                "commit_side_rows: slot out of range");
+    TORCH_CHECK(rows[r] >= 0 && rows[r] < hidden.size(0), "commit_side_rows: bad d1 row");
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t base = l * layer_bytes;
+      std::memcpy(kb + base + dst * slot_bytes, kb + base + src * slot_bytes, slot_bytes);
+      std::memcpy(vb + base + dst * slot_bytes, vb + base + src * slot_bytes, slot_bytes);
+    }
+    std::memcpy(hb + rows[r] * hstride, sb + (r * W + c) * sstride, row_bytes);
+  }
+}
+
 }  // namespace
 }  // namespace laneserve
 
@@ -1426,6 +1489,10 @@ TORCH_LIBRARY(laneserve, m) {
   m.def(
       "verify_greedy(Tensor logits, Tensor drafts, Tensor num_valid, Tensor alternatives) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "commit_side_rows(Tensor(a!) k_stack, Tensor(b!) v_stack, Tensor side_slots, "
+      "Tensor real_slot, Tensor hit, Tensor choice, Tensor(c!) hidden, Tensor side_hidden, "
+      "Tensor first_draft) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
@@ -1438,4 +1505,5 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("paged_attention", &laneserve::paged_attention);
   m.impl("write_kv_cache", &laneserve::write_kv_cache);
   m.impl("verify_greedy", &laneserve::verify_greedy);
+  m.impl("commit_side_rows", &laneserve::commit_side_rows);
 }

@@ -297,7 +297,14 @@ class ModelRunner:
         )
         assert inp.side is not None and self.kv_stacks is not None
         side_rows.commit(
-            self.kv_stacks[0], side, hit, choice, hidden, side_hidden, inp.side.first_draft
+            self.model.kernels,
+            self.kv_stacks[0],
+            side,
+            hit,
+            choice,
+            hidden,
+            side_hidden,
+            inp.side.first_draft,
         )
         return tokens, accepted
 
@@ -352,7 +359,16 @@ class ModelRunner:
             num_accepted,
             alt,
         )
-        side_rows.commit(self.kv_stacks[0], side, hit, choice, hidden, side_hidden, si.first_draft)
+        side_rows.commit(
+            self.model.kernels,
+            self.kv_stacks[0],
+            side,
+            hit,
+            choice,
+            hidden,
+            side_hidden,
+            si.first_draft,
+        )
 
     def _commit(self, inp: StepInputs, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
         st = self.state

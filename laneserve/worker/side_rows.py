@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from laneserve.model.attention import AttentionMetadata, PrefillSpan
+from laneserve.model.attention import AttentionMetadata, Kernels, PrefillSpan
 from laneserve.worker.input_batch import StepInputs
 
 KvStack = tuple[torch.Tensor, torch.Tensor]  # K, V of a cache group: [L, blocks, bs, Hk, D]
@@ -104,6 +104,7 @@ def split(hidden: torch.Tensor, side: SideStep) -> tuple[torch.Tensor, torch.Ten
 
 
 def commit(
+    kernels: Kernels,
     stack: KvStack,
     side: SideStep,
     hit: torch.Tensor,  # [Ra] an alternative was accepted
@@ -113,14 +114,15 @@ def commit(
     first_draft_token: torch.Tensor,  # [Ra] token row of each row's d1
 ) -> None:
     """Make an accepted alternative the request's token at p + 1: its key in the real
-    slot (every layer) and its hidden state in d1's row."""
-    picked = side.slots.gather(1, choice[:, None]).squeeze(1)
-    src = torch.where(hit, picked, side.real_slot)
-    for cache in stack:
-        flat = cache.flatten(1, 2)  # [L, blocks * bs, Hk, D] (a view)
-        flat.index_copy_(1, side.real_slot, flat.index_select(1, src))
-    w = side.tokens.shape[1]
-    alt_h = side_hidden.view(-1, w, side_hidden.shape[1])
-    alt_h = alt_h[torch.arange(alt_h.shape[0], device=alt_h.device), choice]
-    own = hidden.index_select(0, first_draft_token)
-    hidden.index_copy_(0, first_draft_token, torch.where(hit[:, None], alt_h, own))
+    slot (every layer) and its hidden state in d1's row (one fused kernel call)."""
+    kernels.commit_side_rows(
+        stack[0],
+        stack[1],
+        side.slots,
+        side.real_slot,
+        hit,
+        choice,
+        hidden,
+        side_hidden,
+        first_draft_token,
+    )

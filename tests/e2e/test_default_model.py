@@ -83,6 +83,14 @@ def spec_reference(llm: LLM) -> tuple[list[dict], list[list[int]]]:
         ({"method": "mtp", "num_speculative_tokens": 2}, False),
         ({"method": "ngram", "num_speculative_tokens": 3}, True),
         ({"method": "mtp", "speculative_token_tree": "[(0,), (1,), (2,)]"}, True),
+        (
+            {
+                "method": "mtp",
+                "speculative_token_tree": "[(0,), (1,), (2,)]",
+                "quantization": "int8",
+            },
+            False,
+        ),
     ],
 )
 def test_default_model_speculation_is_exact(

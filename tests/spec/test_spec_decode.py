@@ -155,6 +155,9 @@ def test_known_full_acceptance(bigram: dict, async_on: bool) -> None:
         assert toks == hf_greedy(model, p, 31)
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] == stats["spec_num_drafts"]
     assert stats["spec_acceptance_per_position"] == [1.0, 1.0]
+    per_pos = stats["spec_num_drafts_per_position"]
+    assert sum(per_pos) == stats["spec_num_drafts"] and per_pos[0] >= per_pos[1] > 0
+    assert stats["spec_num_accepted_per_position"] == per_pos
     # 31 tokens per request: 1 from the prefill, then 3 per step (2 drafts + bonus), the
     # last step capped by max_tokens: far fewer steps than tokens
     assert stats["num_steps"] < 4 * 31 / 2
