@@ -30,7 +30,8 @@ class StepView(Protocol):
     positions: torch.Tensor  # [T]
     hidden: torch.Tensor  # [T, H] target normed hidden
     meta_mtp: AttentionMetadata | None  # the step's attention metadata for the MTP cache group
-    mtp_table: torch.Tensor | None  # [Rs, W + 1] MTP block table rows (last column: scratch)
+    mtp_table: torch.Tensor | None  # [Rs, W + 1] MTP block table rows (last column: scratch);
+    # None when no step drafts more than one position
     max_len: int  # host bound on every sampling row's length
 
 
@@ -67,7 +68,6 @@ class MtpProposer:
         if view.slots.numel() == 0:
             return  # a prompt chunk: only the head's KV was needed
         h = out.index_select(0, view.last_index)  # [Rs, H]
-        pos = view.positions.index_select(0, view.last_index)
         if self.alternatives:
             top = self.head.draft_top(h, 1 + self.alternatives)  # [Rs, 1 + W], best first
             token = top[:, 0]
@@ -75,6 +75,7 @@ class MtpProposer:
         else:
             token = self.head.draft(h)
         drafts = [token]
+        pos = view.positions.index_select(0, view.last_index) if self.k > 1 else None
         for _ in range(self.k - 1):
             pos = pos + 1
             h = self.head.forward(token, h, pos, self._single_token_meta(view, pos), self.kv_cache)

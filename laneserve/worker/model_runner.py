@@ -17,7 +17,7 @@ drafts. Nothing in `execute` reads a device value back to the host.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -115,6 +115,7 @@ class ModelRunner:
         self.proposer = proposer
         self.mtp_group = mtp_group
         self.kv_stacks = kv_stacks
+        self.max_spec = max_spec
         self.state = DeviceState(device, max_model_len + max_spec + 2, max_spec, side_width)
         # Optional tap on every step's (inputs, ids, positions, hidden): the MTP
         # trainer collects the target's hidden states with it.
@@ -177,7 +178,7 @@ class ModelRunner:
             num_emitted = num_accepted + 1
             self._commit(inp, tokens, num_emitted)
         if self.proposer is not None:
-            self._propose(inp, hidden, positions, start, num_accepted)
+            self._propose(inp, hidden, positions, meta, num_accepted)
         return DeviceOutputs(inp, tokens, num_emitted, logprobs, num_valid, [])
 
     def release(self, pairs: list[tuple[int, int]]) -> None:
@@ -215,19 +216,38 @@ class ModelRunner:
     def _metadata(
         self, inp: StepInputs, positions: torch.Tensor, start: torch.Tensor, group: int
     ) -> AttentionMetadata:
-        bs, table = self.block_size, inp.block_tables[group]
-        block = table[inp.token_row, torch.div(positions, bs, rounding_mode="floor")]
         nd = inp.num_decode_rows
         return AttentionMetadata(
-            slot_mapping=block * bs + positions % bs,
+            slot_mapping=self._slot_mapping(inp, positions, group),
             num_decode_tokens=inp.num_decode_tokens,
-            decode_block_tables=table[:nd].to(torch.int32) if nd else None,
+            decode_block_tables=inp.block_tables[group][:nd].to(torch.int32) if nd else None,
             decode_seq_lens=(start[:nd] + inp.row_qlen[:nd]).to(torch.int32) if nd else None,
             decode_query_start_loc=inp.decode_query_start_loc if nd else None,
-            prefills=tuple(
-                PrefillSpan(p.token_start, p.num_tokens, p.context_len, blocks)
-                for p, blocks in zip(inp.prefills, inp.prefill_block_ids[group], strict=True)
-            ),
+            prefills=self._prefill_spans(inp, group),
+        )
+
+    def _group_metadata(
+        self, inp: StepInputs, meta: AttentionMetadata, positions: torch.Tensor, group: int
+    ) -> AttentionMetadata:
+        """`meta` (the main group's) for another cache group: the same rows and lengths,
+        that group's blocks."""
+        nd = inp.num_decode_rows
+        return replace(
+            meta,
+            slot_mapping=self._slot_mapping(inp, positions, group),
+            decode_block_tables=inp.block_tables[group][:nd].to(torch.int32) if nd else None,
+            prefills=self._prefill_spans(inp, group),
+        )
+
+    def _slot_mapping(self, inp: StepInputs, positions: torch.Tensor, group: int) -> torch.Tensor:
+        bs, table = self.block_size, inp.block_tables[group]
+        block = table[inp.token_row, torch.div(positions, bs, rounding_mode="floor")]
+        return block * bs + positions % bs
+
+    def _prefill_spans(self, inp: StepInputs, group: int) -> tuple[PrefillSpan, ...]:
+        return tuple(
+            PrefillSpan(p.token_start, p.num_tokens, p.context_len, blocks)
+            for p, blocks in zip(inp.prefills, inp.prefill_block_ids[group], strict=True)
         )
 
     def _sample(
@@ -385,7 +405,7 @@ class ModelRunner:
         inp: StepInputs,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        start: torch.Tensor,
+        meta: AttentionMetadata,  # the step's main-group metadata (no side rows)
         accepted: torch.Tensor | None,
     ) -> None:
         st = self.state
@@ -397,8 +417,9 @@ class ModelRunner:
         last_index = inp.logits_token_idx.index_select(0, last) if accepted is not None else last
         meta_mtp = mtp_table = None
         if self.mtp_group is not None:
-            meta_mtp = self._metadata(inp, positions, start, self.mtp_group)
-            mtp_table = inp.block_tables[self.mtp_group].index_select(0, inp.sample_rows)
+            meta_mtp = self._group_metadata(inp, meta, positions, self.mtp_group)
+            if self.max_spec > 1:  # only recurrent drafts (k > 1) read it
+                mtp_table = inp.block_tables[self.mtp_group].index_select(0, inp.sample_rows)
         view = _StepView(slots, last_index, positions, hidden, meta_mtp, mtp_table, inp.max_len)
         self.proposer.propose(st, view, next_tokens)
 
