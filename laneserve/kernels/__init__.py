@@ -64,7 +64,7 @@ class PackedWeight:
     data: torch.Tensor
     out_features: int
     in_features: int
-    dtype: torch.dtype  # dtype of the original weight (storage dtype of the packed data)
+    dtype: torch.dtype  # the weight's dtype as packed: the original's, or torch.int8
     layout: str
     scale: torch.Tensor | None = None  # [N] fp32 column scales of int8 weights
 

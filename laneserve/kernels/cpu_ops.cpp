@@ -1449,7 +1449,7 @@ void commit_side_rows(at::Tensor& k_stack, at::Tensor& v_stack, const at::Tensor
   const bool* hits = hs.data_ptr<bool>();
   const int64_t* chosen = cs.data_ptr<int64_t>();
   const int64_t* rows = fd.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = 0; r < R; ++r) {  // check every row before writing any
     if (!hits[r]) continue;
     const int64_t c = chosen[r];
     TORCH_CHECK(c >= 0 && c < W, "commit_side_rows: choice ", c, " out of range");
@@ -1457,6 +1457,11 @@ void commit_side_rows(at::Tensor& k_stack, at::Tensor& v_stack, const at::Tensor
     TORCH_CHECK(src >= 0 && src < num_slots && dst >= 0 && dst < num_slots,
                 "commit_side_rows: slot out of range");
     TORCH_CHECK(rows[r] >= 0 && rows[r] < hidden.size(0), "commit_side_rows: bad d1 row");
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (!hits[r]) continue;
+    const int64_t c = chosen[r];
+    const int64_t src = slots[r * W + c], dst = real[r];
     for (int64_t l = 0; l < L; ++l) {
       const int64_t base = l * layer_bytes;
       std::memcpy(kb + base + dst * slot_bytes, kb + base + src * slot_bytes, slot_bytes);

@@ -712,11 +712,13 @@ def test_commit_side_rows_matches_torch(ck: CpuKernels, tk: TorchKernels, dtype)
     assert torch.equal(flat[:, 1], k0.flatten(1, 2)[:, int(side_slots[0, 2])])  # a hit
     assert torch.equal(flat[:, 6], k0.flatten(1, 2)[:, 6])  # no hit: untouched
     assert torch.equal(hidden[5], side_hidden[2 * w + 0]) and torch.equal(hidden[3], hidden0[3])
-    with pytest.raises(RuntimeError, match="out of range"):
+    k, v, hidden = k0.clone(), v0.clone(), hidden0.clone()
+    with pytest.raises(RuntimeError, match="out of range"):  # the last row's choice
         ck.commit_side_rows(
-            k, v0.clone(), side_slots, real_slot, hit, torch.tensor([3, 0, 0, 0]), hidden,
+            k, v, side_slots, real_slot, hit, torch.tensor([2, 1, 0, 3]), hidden,
             side_hidden, first_draft,
         )  # fmt: skip
+    assert torch.equal(k, k0) and torch.equal(v, v0) and torch.equal(hidden, hidden0)
     with pytest.raises(RuntimeError, match="int64"):
         ck.commit_side_rows(
             k, v0.clone(), side_slots, real_slot.int(), hit, choice, hidden, side_hidden,
