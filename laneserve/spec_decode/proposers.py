@@ -30,8 +30,9 @@ class StepView(Protocol):
     positions: torch.Tensor  # [T]
     hidden: torch.Tensor  # [T, H] target normed hidden
     meta_mtp: AttentionMetadata | None  # the step's attention metadata for the MTP cache group
-    mtp_table: torch.Tensor | None  # [Rs, W + 1] MTP block table rows (last column: scratch);
-    # None when no step drafts more than one position
+    # [Rs, W + 1] MTP block table rows (last column: scratch); None at depth 1 (k = 1 or a
+    # depth-1 tree), where no draft goes past the first position
+    mtp_table: torch.Tensor | None
     max_len: int  # host bound on every sampling row's length
 
 
