@@ -315,6 +315,18 @@ class ModelRunner:
         tokens, accepted, hit, choice = self.model.kernels.verify_greedy(
             logits, drafts, num_valid, side.tokens
         )
+        self._commit_side(inp, side, hit, choice, hidden, side_hidden)
+        return tokens, accepted
+
+    def _commit_side(
+        self,
+        inp: StepInputs,
+        side: SideStep,
+        hit: torch.Tensor,  # [Rs] an alternative was accepted
+        choice: torch.Tensor,  # [Rs] which one
+        hidden: torch.Tensor,  # [T, H] main hidden (d1's row is replaced on a hit)
+        side_hidden: torch.Tensor,  # [Rs * W, H]
+    ) -> None:
         assert inp.side is not None and self.kv_stacks is not None
         side_rows.commit(
             self.model.kernels,
@@ -326,7 +338,6 @@ class ModelRunner:
             side_hidden,
             inp.side.first_draft,
         )
-        return tokens, accepted
 
     def _penalize_plain_rows(
         self,
@@ -379,16 +390,7 @@ class ModelRunner:
             num_accepted,
             alt,
         )
-        side_rows.commit(
-            self.model.kernels,
-            self.kv_stacks[0],
-            side,
-            hit,
-            choice,
-            hidden,
-            side_hidden,
-            si.first_draft,
-        )
+        self._commit_side(inp, side, hit, choice, hidden, side_hidden)
 
     def _commit(self, inp: StepInputs, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
         st = self.state
