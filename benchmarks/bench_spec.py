@@ -52,6 +52,14 @@ CONFIGS = {
         "speculative_token_tree": "[(0,), (1,), (2,), (0, 0)]",
     },
     "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3},
+    # prompt-lookup drafts first, the head's where the history does not repeat
+    "mtp k=1, ngram_first": {"method": "mtp", "num_speculative_tokens": 1, "ngram_first": True},
+    "mtp k=2, ngram_first": {"method": "mtp", "num_speculative_tokens": 2, "ngram_first": True},
+    f"mtp tree {TREE3}, ngram_first": {
+        "method": "mtp",
+        "speculative_token_tree": TREE3,
+        "ngram_first": True,
+    },
     # the head's linears as int8 (`"quantization": "int8"`): half the bytes per draft
     "mtp k=1, int8 head": {"method": "mtp", "num_speculative_tokens": 1, "quantization": "int8"},
     f"mtp tree {TREE3}, int8 head": {
@@ -257,7 +265,7 @@ def main() -> None:
             "repetition prompt, batch 1",
             [tok.apply_chat_template([{"role": "user", "content": REPEAT}])],
             1,
-            ["no speculation", "ngram k=3", "mtp k=1", tree],
+            ["no speculation", "ngram k=3", "mtp k=1", "mtp k=1, ngram_first", tree],
         ),
         "concurrent": (
             f"chat prompts x2, {ns.concurrency} concurrent",

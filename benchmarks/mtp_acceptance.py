@@ -5,6 +5,7 @@ means the head memorised its data.
 
     .venv/bin/python benchmarks/mtp_acceptance.py [--draft-weights head.safetensors]
         [--tree "[(0,), (1,), (2,)]"]   # acceptance of the head's top-3 instead of its top-1
+        [--ngram-first]                 # prompt-lookup drafts first, the head's elsewhere
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ def main() -> None:
     ap.add_argument("--draft-weights", default=None, help="default: the shipped head")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--tree", default=None, help="a speculative_token_tree (default: k=1)")
+    ap.add_argument("--ngram-first", action="store_true", help='"ngram_first": true')
     ns = ap.parse_args()
     spec = {"method": "mtp", "num_speculative_tokens": 1}
     if ns.tree:
         spec = {"method": "mtp", "speculative_token_tree": ns.tree}
     if ns.draft_weights:
         spec["draft_weights"] = ns.draft_weights
+    if ns.ngram_first:
+        spec["ngram_first"] = True
     llm = LLM(speculative_config=spec, enable_prefix_caching=False)
     tok = llm.engine.tokenizer
     sets = {

@@ -45,8 +45,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     method: str  # "mtp" | "ngram"
     num_speculative_tokens: int = 1
     draft_weights: str | None = None  # MTP: separate safetensors file
-    prompt_lookup_min: int = 2  # n-gram: shortest suffix to match
-    prompt_lookup_max: int = 4  # n-gram: longest suffix to match
+    prompt_lookup_min: int = 2  # n-gram (and ngram_first): shortest suffix to match
+    prompt_lookup_max: int = 4  # n-gram (and ngram_first): longest suffix to match
+    # MTP: a prompt lookup (as method "ngram") drafts first; the head drafts for the rows
+    # where the last tokens occurred nowhere earlier in prompt + output
+    ngram_first: bool = False
     # no drafts in a step where this many requests are running (vLLM's
     # speculative_disable_by_batch_size): on a compute-bound device verifying
     # drafts of a large batch costs more than the accepted tokens save
@@ -128,6 +131,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError('"quantization" only applies to method "mtp"')
             if self.quantization != "int8":  # kernels.QUANTIZATIONS
                 raise ValueError(f'unknown quantization {self.quantization!r}; supported: "int8"')
+        if self.ngram_first and self.method != "mtp":
+            raise ValueError('"ngram_first" only applies to method "mtp"')
         if self.tree:
             self._validate_tree()
 

@@ -268,6 +268,41 @@ class TorchKernels:
         own = hidden.index_select(0, first_draft)
         hidden.index_copy_(0, first_draft, torch.where(hit[:, None], alt_h, own))
 
+    def ngram_lookup(
+        self,
+        history: torch.Tensor,  # [S, W] int64 every state slot's tokens
+        committed: torch.Tensor,  # [S] int64 known tokens per slot (<= width)
+        slots: torch.Tensor,  # [R] int64 the rows' slots
+        width: int,  # host bound on every row's length (<= W)
+        k: int,
+        n_min: int,
+        n_max: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # drafts [R, k], num [R] (0 = no match)
+        """Prompt lookup: the row's last n tokens (n from n_max down to n_min), their latest
+        earlier occurrence in its history (ending before the suffix starts), and the up to
+        k tokens that followed it. Tensor ops only: no host synchronisation."""
+        hist = history.index_select(0, slots)[:, :width]
+        lengths = committed.index_select(0, slots)
+        r, w = hist.shape
+        device = hist.device
+        best = torch.full((r,), -1, dtype=torch.int64, device=device)  # index after the match
+        for n in range(n_max, n_min - 1, -1):
+            if w < n + 1:
+                continue
+            idx = (lengths[:, None] - n + torch.arange(n, device=device)[None, :]).clamp(min=0)
+            suffix = hist.gather(1, idx)  # [R, n]
+            windows = hist.unfold(1, n, 1)  # [R, W - n + 1, n]
+            match = (windows == suffix[:, None, :]).all(dim=-1)
+            starts = torch.arange(windows.shape[1], device=device)[None, :]
+            ok = match & (starts + n < lengths[:, None]) & (lengths[:, None] >= n + 1)
+            latest = torch.where(ok, starts, torch.full_like(starts, -1)).amax(dim=1)
+            found = (latest >= 0) & (best < 0)
+            best = torch.where(found, latest + n, best)
+        cols = best[:, None].clamp(min=0) + torch.arange(k, device=device)[None, :]
+        drafts = hist.gather(1, cols.clamp(max=w - 1))
+        num = torch.where(best >= 0, (lengths - best).clamp(0, k), torch.zeros_like(best))
+        return drafts, num
+
 
 def _gather_kv(
     cache: torch.Tensor,
@@ -309,6 +344,7 @@ class CpuKernels:
         self._write_kv_cache = ops.write_kv_cache
         self._verify_greedy = ops.verify_greedy
         self._commit_side_rows = ops.commit_side_rows
+        self._ngram_lookup = ops.ngram_lookup
         self._fallback = TorchKernels()
         self.isa = lib.isa  # linear's instruction set; both give the same bits
         self._isa = _ISA_CODE[lib.isa]
@@ -416,6 +452,18 @@ class CpuKernels:
         self._commit_side_rows(
             k_stack, v_stack, side_slots, real_slot, hit, choice, hidden, side_hidden, first_draft
         )
+
+    def ngram_lookup(
+        self,
+        history: torch.Tensor,
+        committed: torch.Tensor,
+        slots: torch.Tensor,
+        width: int,
+        k: int,
+        n_min: int,
+        n_max: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # see TorchKernels.ngram_lookup
+        return self._ngram_lookup(history, committed, slots, width, k, n_min, n_max)
 
 
 Kernels = CpuKernels | TorchKernels

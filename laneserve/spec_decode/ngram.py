@@ -3,39 +3,35 @@
 For each row: take the last n tokens (n from prompt_lookup_max down to
 prompt_lookup_min), find their latest earlier occurrence in prompt + output,
 and propose the (up to) k tokens that followed it. Weightless, no host sync:
-tensor ops over the rows' history, bounded by a host-known length limit.
+one kernel call (`kernels.ngram_lookup`: a scan in C++ on CPU, tensor ops
+elsewhere) over the rows' history, bounded by a host-known length limit.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from laneserve.kernels import Kernels
 
-def propose_ngram(
-    history: torch.Tensor,  # [R, W] token ids (W >= every row's length)
-    lengths: torch.Tensor,  # [R] known tokens per row
-    k: int,
-    n_min: int,
-    n_max: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # drafts [R, k], num_drafts [R]
-    r, w = history.shape
-    device = history.device
-    best = torch.full((r,), -1, dtype=torch.int64, device=device)  # index after the match
-    for n in range(n_max, n_min - 1, -1):
-        if w < n + 1:
-            continue
-        idx = (lengths[:, None] - n + torch.arange(n, device=device)[None, :]).clamp(min=0)
-        suffix = history.gather(1, idx)  # [R, n]
-        windows = history.unfold(1, n, 1)  # [R, W - n + 1, n]
-        match = (windows == suffix[:, None, :]).all(dim=-1)
-        starts = torch.arange(windows.shape[1], device=device)[None, :]
-        # NOTE: an *earlier* occurrence: it must end before the suffix starts
-        # over itself, i.e. at least one known token follows it.
-        ok = match & (starts + n < lengths[:, None]) & (lengths[:, None] >= n + 1)
-        latest = torch.where(ok, starts, torch.full_like(starts, -1)).amax(dim=1)
-        found = (latest >= 0) & (best < 0)
-        best = torch.where(found, latest + n, best)
-    cols = best[:, None].clamp(min=0) + torch.arange(k, device=device)[None, :]
-    drafts = history.gather(1, cols.clamp(max=w - 1))
-    num = torch.where(best >= 0, (lengths - best).clamp(0, k), torch.zeros_like(best))
-    return drafts, num
+if TYPE_CHECKING:
+    from laneserve.spec_decode.proposers import StepView
+
+
+class NgramProposer:
+    def __init__(self, kernels: Kernels, k: int, n_min: int, n_max: int) -> None:
+        self.kernels, self.k, self.n_min, self.n_max = kernels, k, n_min, n_max
+
+    def propose(self, state: object, view: StepView, next_tokens: torch.Tensor) -> None:
+        del next_tokens
+        drafts, num = self.lookup(state, view)
+        state.drafts[view.slots, : self.k] = drafts
+        state.num_drafts.index_copy_(0, view.slots, num)
+
+    def lookup(self, state: object, view: StepView) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts [Rs, k], number found [Rs]; 0 = no match) from the rows' histories."""
+        width = min(view.max_len, state.width)
+        return self.kernels.ngram_lookup(
+            state.history, state.committed, view.slots, width, self.k, self.n_min, self.n_max
+        )

@@ -160,9 +160,19 @@ class Worker:
         spec = self.config.speculative
         if spec is None:
             return None
+        lookup = NgramProposer(
+            self.kernels, spec.depth, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
         if spec.method == "ngram":
-            return NgramProposer(spec.depth, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return MtpProposer(self.mtp, spec.depth, kv_caches[1][0], self.block_size, self.side_width)
+            return lookup
+        return MtpProposer(
+            self.mtp,
+            spec.depth,
+            kv_caches[1][0],
+            self.block_size,
+            self.side_width,
+            lookup if spec.ngram_first else None,
+        )
 
     def _num_blocks(self) -> list[int]:
         cache = self.config.cache

@@ -81,6 +81,7 @@ def spec_reference(llm: LLM) -> tuple[list[dict], list[list[int]]]:
     [
         ({"method": "mtp", "num_speculative_tokens": 1}, True),
         ({"method": "mtp", "num_speculative_tokens": 2}, False),
+        ({"method": "mtp", "num_speculative_tokens": 2, "ngram_first": True}, True),
         ({"method": "ngram", "num_speculative_tokens": 3}, True),
         ({"method": "mtp", "speculative_token_tree": "[(0,), (1,), (2,)]"}, True),
         (

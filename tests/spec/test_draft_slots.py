@@ -6,12 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
+from laneserve.kernels import CpuKernels, TorchKernels, load_kernels
 from laneserve.sampling_params import SamplingParams
-from laneserve.spec_decode.ngram import propose_ngram
 from laneserve.worker.input_batch import SlotTable
 from laneserve.worker.model_runner import DeviceState, ModelRunner
 from tests.core.test_scheduler import drive as drive_core
@@ -76,17 +77,58 @@ def test_release_racing_with_a_new_request_of_the_same_id(tiny_models: dict[str,
     assert got == hf_greedy(model, [9, 10, 11, 12], 12)
 
 
-def test_ngram_proposes_what_followed_the_latest_match() -> None:
+def _kernel_sets() -> list[object]:
+    lib = load_kernels()
+    return [TorchKernels()] + ([CpuKernels(lib)] if lib is not None else [])
+
+
+@pytest.mark.parametrize("kernels", _kernel_sets(), ids=lambda k: k.name)
+def test_ngram_proposes_what_followed_the_latest_match(kernels: object) -> None:
     hist = torch.tensor(
         [[1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3, 0, 0], [4, 5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0]]
     )
-    lengths = torch.tensor([12, 5])
-    drafts, num = propose_ngram(hist, lengths, k=3, n_min=1, n_max=3)
+    rows = torch.tensor([0, 1])
+    drafts, num = kernels.ngram_lookup(hist, torch.tensor([12, 5]), rows, 14, 3, 1, 3)
     # row 0: suffix [1,2,3] last seen at 4..6 -> proposes [8, 7, 1]; row 1: no repeat
     assert drafts[0].tolist() == [8, 7, 1] and num.tolist() == [3, 0]
-    drafts, num = propose_ngram(hist, torch.tensor([8, 5]), k=3, n_min=1, n_max=3)
+    drafts, num = kernels.ngram_lookup(hist, torch.tensor([8, 5]), rows, 14, 3, 1, 3)
     # row 0 of length 8: suffix [..3, 8]; 8 never seen before; n=1 "8" none -> no draft
     assert num.tolist()[0] == 0
+    # [6, 5, 5]: the latest earlier "5" ends right before the suffix; one token follows it
+    short = torch.tensor([[6, 5, 5, 0]])
+    drafts, num = kernels.ngram_lookup(short, torch.tensor([3]), rows[:1], 4, 3, 1, 2)
+    assert num.tolist() == [1] and drafts[0, 0].item() == 5
+
+
+def _lookup_reference(seq: list[int], k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
+    for n in range(n_max, n_min - 1, -1):
+        for s in range(len(seq) - n - 1, -1, -1):
+            if len(seq) >= n + 1 and seq[s : s + n] == seq[len(seq) - n :]:
+                follow = seq[s + n : s + n + k]
+                return follow, len(follow)
+    return [], 0
+
+
+def test_ngram_lookup_kernels_agree_with_a_plain_search() -> None:
+    """Random short-alphabet histories (many matches, of every n): both kernel sets give
+    what a plain Python search gives, through a slot indirection and a width bound."""
+    g = torch.Generator().manual_seed(0)
+    sets = _kernel_sets()
+    for trial in range(60):
+        slots_total, width = 7, 40
+        hist = torch.randint(0, 4 if trial % 2 else 9, (slots_total, 48), generator=g)
+        committed = torch.randint(0, width + 1, (slots_total,), generator=g)
+        slots = torch.randperm(slots_total, generator=g)[:5]
+        k, n_min = 1 + trial % 4, 1 + trial % 3
+        n_max = n_min + trial % 3
+        got = [kern.ngram_lookup(hist, committed, slots, width, k, n_min, n_max) for kern in sets]
+        for r, slot in enumerate(slots.tolist()):
+            seq = hist[slot, : int(committed[slot])].tolist()
+            follow, num = _lookup_reference(seq, k, n_min, n_max)
+            for drafts, nums in got:
+                assert int(nums[r]) == num, (trial, r)
+                assert drafts[r, :num].tolist() == follow, (trial, r)
+        assert torch.equal(got[0][0], got[-1][0]) and torch.equal(got[0][1], got[-1][1])
 
 
 def test_fewer_drafts_near_max_model_len() -> None:

@@ -8,11 +8,13 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from laneserve import LLM, SamplingParams
 from laneserve import kernels as kernels_mod
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
+from laneserve.spec_decode.proposers import best_except
 from laneserve.worker.model_runner import ModelRunner
 from tests.tiny_models import build_bigram_model, build_exact_mtp_head, hf_greedy
 
@@ -192,6 +194,63 @@ def test_ngram_full_acceptance_on_repetition(bigram: dict) -> None:
     assert stats["spec_num_accepted"] > 0.5 * stats["spec_num_drafts"] > 0
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_ngram_first_exact_and_engaged(bigram: dict, k: int) -> None:
+    """With "ngram_first": prompt-lookup drafts where the history repeats, the head's
+    elsewhere. With a head that is never right, every accepted draft is a lookup draft;
+    the workload (staggered arrivals, stop inside a run, max_tokens mid-run, a prefix hit)
+    and the looping request must match plain decoding, async on and off."""
+    model, _, _, _ = bigram["llama"]
+    work = workload(model, seed=5)
+    loop = prompts(1, 9)[0]  # the bigram model loops on it (see the n-gram test above)
+    work.append((2, loop, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)))
+    refs = [hf_greedy(model, p, sp.max_tokens) for _, p, sp in work]
+    never = next(t for t in range(3, 320) if all(t not in r for r in refs))
+    head = build_exact_mtp_head(model, model.parent / f"never-{never}.safetensors", [never])
+    base, _ = drive(model, None, False, work)
+    assert base[-1][0] == refs[-1]
+    cfg = {**spec("mtp", k, head), "ngram_first": True}
+    for async_on in (False, True):
+        got, stats = drive(model, cfg, async_on, work)
+        assert got == base, f"ngram_first k={k} async={async_on} changed the output"
+        assert stats["spec_num_drafts"] > stats["spec_num_accepted"] > 0, stats
+        assert stats["prefix_cache_hits"] > 0
+    alone, stats = drive(model, spec("mtp", k, head), True, work)  # the head alone: never
+    assert alone == base and stats["spec_num_drafts"] > 0 == stats["spec_num_accepted"]
+
+
+def test_mtp_ngram_first_with_a_token_tree(bigram: dict) -> None:
+    """A tree's alternatives stay the head's best tokens other than a lookup draft: exact
+    (async on and off, and seeded sampling reproducible), and the lookup adds accepted
+    drafts over the same tree without it."""
+    model, _, _, noisy = bigram["llama"]
+    work = workload(model, seed=6)
+    loop = prompts(1, 9)[0]
+    work.append((2, loop, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)))
+    base, _ = drive(model, None, False, work)
+    cfg = tree(noisy, "[(0,), (1,), (2,), (0, 0)]")
+    _, plain = drive(model, cfg, True, work)
+    for async_on in (False, True):
+        got, stats = drive(model, {**cfg, "ngram_first": True}, async_on, work)
+        assert got == base, f"tree + ngram_first async={async_on} changed the output"
+        assert stats["spec_num_accepted"] > plain["spec_num_accepted"], (stats, plain)
+    params = SamplingParams(temperature=0.9, max_tokens=40, seed=7, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        cfg_ng = {**cfg, "ngram_first": True}
+        with LLM(str(model), dtype="float32", speculative_config=cfg_ng) as llm:
+            out = llm.generate({"prompt_token_ids": loop}, params, use_tqdm=False)
+            outs.append(out[0].outputs[0].token_ids)
+            assert llm.get_stats()["spec_num_drafts"] > 0
+    assert outs[0] == outs[1]
+
+
+def test_tree_alternatives_skip_the_lookup_draft() -> None:
+    top = torch.tensor([[5, 7, 9], [5, 7, 9], [5, 7, 9]])
+    got = best_except(top, torch.tensor([7, 3, 5]))
+    assert got.tolist() == [[5, 9], [5, 7], [7, 9]]
+
+
 def test_seeded_sampling_reproducible_with_speculation(bigram: dict) -> None:
     model, _, half, _ = bigram["llama"]
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=1234, ignore_eos=True)
@@ -234,6 +293,10 @@ def test_bad_speculative_configs(bigram: dict, tmp_path: Path) -> None:
         LLM(str(model), speculative_config={"method": "ngram", "quantization": "int8"})
     with pytest.raises(ValueError, match="unknown quantization 'int4'"):
         LLM(str(model), speculative_config={"method": "mtp", "quantization": "int4"})
+    with pytest.raises(ValueError, match='"ngram_first" only applies to method "mtp"'):
+        LLM(str(model), speculative_config={"method": "ngram", "ngram_first": True})
+    with pytest.raises(ValueError, match="invalid speculative config"):
+        LLM(str(model), speculative_config={"method": "mtp", "ngram_first": "yes"})
 
 
 def test_int8_mtp_head_exact_and_engaged(bigram: dict, monkeypatch: pytest.MonkeyPatch) -> None:
