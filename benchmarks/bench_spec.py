@@ -72,6 +72,12 @@ CONFIGS = {
         "speculative_token_tree": "[(0,), (1,), (2,), (0, 0)]",
         "quantization": "int8",
     },
+    f"mtp tree {TREE3}, ngram_first, int8 head": {
+        "method": "mtp",
+        "speculative_token_tree": TREE3,
+        "ngram_first": True,
+        "quantization": "int8",
+    },
     f"mtp tree {TREE3}, disable_by_batch_size=4": {
         "method": "mtp",
         "speculative_token_tree": TREE3,
@@ -271,7 +277,14 @@ def main() -> None:
             f"chat prompts x2, {ns.concurrency} concurrent",
             (chat * ns.concurrency)[: ns.concurrency],
             ns.concurrency,
-            ["no speculation", "mtp k=1", tree, "ngram k=3", f"{tree}, disable_by_batch_size=4"],
+            [
+                "no speculation",
+                "mtp k=1",
+                "mtp k=1, ngram_first",
+                tree,
+                "ngram k=3",
+                f"{tree}, disable_by_batch_size=4",
+            ],
         ),
     }
     mode = (
