@@ -14,7 +14,9 @@ MTP with `ngram_first`: where a prompt lookup finds the row's last tokens earlie
 its history, the tokens that followed them are the drafts; the head's drafts fill
 the other rows. A one-layer head copies badly (on the default model's chat answers
 its top-1 is right at 35 % of the positions where a 4-gram lookup is right at 89 %).
-Both drafts are deterministic, so verification stays exact either way.
+In a token tree the lookup draft is the first candidate and the alternatives are the
+head's best tokens other than it (candidates must differ for exact sampling). Both
+drafters are deterministic, so verification stays exact either way.
 """
 
 from __future__ import annotations

@@ -140,7 +140,8 @@ def test_speculation_with_preemption_matches(bigram: dict) -> None:
     small = {"block_size": 4, "num_kv_blocks": 40, "max_model_len": 64}
     base, _ = drive(model, None, False, work, **small)
     chain, branched = spec("mtp", 2, half), tree(noisy, "[(0,), (1,), (2,), (0, 0)]")
-    for cfg, async_on in ((chain, False), (chain, True), (branched, True)):
+    looked_up = {**chain, "ngram_first": True}
+    for cfg, async_on in ((chain, False), (chain, True), (branched, True), (looked_up, True)):
         got, stats = drive(model, cfg, async_on, work, **small)
         assert got == base and stats["num_preemptions"] > 0 and stats["spec_num_accepted"] > 0
         assert stats["num_free_blocks"] == 40
