@@ -294,6 +294,8 @@ class TorchKernels:
             windows = hist.unfold(1, n, 1)  # [R, W - n + 1, n]
             match = (windows == suffix[:, None, :]).all(dim=-1)
             starts = torch.arange(windows.shape[1], device=device)[None, :]
+            # NOTE: an *earlier* occurrence: it must end before the suffix starts
+            # over itself, i.e. at least one known token follows it.
             ok = match & (starts + n < lengths[:, None]) & (lengths[:, None] >= n + 1)
             latest = torch.where(ok, starts, torch.full_like(starts, -1)).amax(dim=1)
             found = (latest >= 0) & (best < 0)

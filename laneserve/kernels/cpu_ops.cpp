@@ -1472,6 +1472,7 @@ void commit_side_rows(at::Tensor& k_stack, at::Tensor& v_stack, const at::Tensor
 }
 
 }  // namespace
+
 // ----------------------------------------------------------------------------
 // Prompt lookup (n-gram drafts)
 // ----------------------------------------------------------------------------
@@ -1522,7 +1523,8 @@ std::tuple<at::Tensor, at::Tensor> ngram_lookup(const at::Tensor& history_in,
         }
       }
     }
-    for (int64_t j = 0; j < k; ++j) dp[r * k + j] = h[std::min(std::max<int64_t>(best, 0) + j, width - 1)];
+    const int64_t from = std::max<int64_t>(best, 0);  // no match: any tokens (num = 0)
+    for (int64_t j = 0; j < k; ++j) dp[r * k + j] = h[std::min(from + j, width - 1)];
     if (best >= 0) np[r] = std::min(k, L - best);
   }
   return {drafts, num};
