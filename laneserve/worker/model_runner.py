@@ -131,7 +131,7 @@ class ModelRunner:
             return DeviceOutputs(inp, None, None, None, None, errors)
         self._write_prompts(inp)
         ids, positions, start = self._resolve_inputs(inp)
-        meta = self._metadata(inp, positions, start, 0)
+        meta = self._metadata(inp, positions, start)
         side = side_hidden = None
         if inp.side is not None:
             side, ids_all, pos_all, meta_all = side_rows.plan(
@@ -214,16 +214,17 @@ class ModelRunner:
         return ids, positions, start
 
     def _metadata(
-        self, inp: StepInputs, positions: torch.Tensor, start: torch.Tensor, group: int
+        self, inp: StepInputs, positions: torch.Tensor, start: torch.Tensor
     ) -> AttentionMetadata:
+        """The main cache group's (0) metadata; other groups derive theirs from it."""
         nd = inp.num_decode_rows
         return AttentionMetadata(
-            slot_mapping=self._slot_mapping(inp, positions, group),
+            slot_mapping=self._slot_mapping(inp, positions, 0),
             num_decode_tokens=inp.num_decode_tokens,
-            decode_block_tables=inp.block_tables[group][:nd].to(torch.int32) if nd else None,
+            decode_block_tables=inp.block_tables[0][:nd].to(torch.int32) if nd else None,
             decode_seq_lens=(start[:nd] + inp.row_qlen[:nd]).to(torch.int32) if nd else None,
             decode_query_start_loc=inp.decode_query_start_loc if nd else None,
-            prefills=self._prefill_spans(inp, group),
+            prefills=self._prefill_spans(inp, 0),
         )
 
     def _group_metadata(
