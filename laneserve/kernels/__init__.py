@@ -305,6 +305,62 @@ class TorchKernels:
         num = torch.where(best >= 0, (lengths - best).clamp(0, k), torch.zeros_like(best))
         return drafts, num
 
+    def slot_mapping(
+        self,
+        table: torch.Tensor,  # [R, blocks] int32 or int64 block table per row
+        token_row: torch.Tensor,  # [T] int64 each token's row
+        positions: torch.Tensor,  # [T] int64
+        block_size: int,
+    ) -> torch.Tensor:  # [T] int64 KV cache slot of each token
+        """Paged KV slot of each token: table[row, p // bs] * bs + p % bs."""
+        block = table[token_row, torch.div(positions, block_size, rounding_mode="floor")]
+        return block.to(torch.int64) * block_size + positions % block_size
+
+    def top_tokens(
+        self,
+        logits: torch.Tensor,  # [N, V] float32
+        n: int,
+        vocab: torch.Tensor | None = None,  # [V] int64 token id of each column
+    ) -> torch.Tensor:  # [N, n] int64
+        """Each row's n best columns, best first (ties: the lower column; NaN ranks
+        highest, as in torch.argmax), mapped through vocab when given."""
+        if not 1 <= n <= logits.shape[1]:
+            raise ValueError(f"top_tokens: n = {n} outside [1, V = {logits.shape[1]}]")
+        if n == 1:
+            best = logits.argmax(dim=-1, keepdim=True)
+        else:
+            best = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :n]
+        return best if vocab is None else vocab[best]
+
+    def write_drafts(
+        self,
+        drafts: torch.Tensor,  # [S, K] int64 state: each slot's drafts
+        num_drafts: torch.Tensor,  # [S] int64 state
+        side_drafts: torch.Tensor,  # [S, W] int64 state: alternatives to drafts[:, 0]
+        slots: torch.Tensor,  # [R] int64 the rows' state slots
+        chain: torch.Tensor,  # [R, k] int64 the head's drafts
+        top: torch.Tensor | None = None,  # [R, 1 + A] the head's best first tokens
+        found: torch.Tensor | None = None,  # [R, k] lookup drafts
+        num: torch.Tensor | None = None,  # [R] lookup drafts found (0: none)
+    ) -> None:
+        """The next step's drafts into the rows' slots: found[r] (num[r] of them) where the
+        lookup found any, else chain[r] (k); side_drafts[s, :A] = the best A of top[r]
+        other than the row's first draft (a token tree's candidates must all differ)."""
+        k = chain.shape[1]
+        if (found is None) != (num is None):
+            raise ValueError("write_drafts: found and num go together")
+        first, count = chain, torch.full_like(slots, k)
+        if found is not None:
+            hit = num > 0
+            first = torch.where(hit[:, None], found, chain)
+            count = torch.where(hit, num, count)
+        drafts[slots, :k] = first
+        num_drafts.index_copy_(0, slots, count)
+        if top is not None and top.shape[1] > 1:
+            differ = top != first[:, :1]
+            order = torch.sort((~differ).to(torch.int8), dim=1, stable=True).indices
+            side_drafts[slots, : top.shape[1] - 1] = top.gather(1, order)[:, :-1]
+
 
 def _gather_kv(
     cache: torch.Tensor,
@@ -347,6 +403,9 @@ class CpuKernels:
         self._verify_greedy = ops.verify_greedy
         self._commit_side_rows = ops.commit_side_rows
         self._ngram_lookup = ops.ngram_lookup
+        self._slot_mapping = ops.slot_mapping
+        self._top_tokens = ops.top_tokens
+        self._write_drafts = ops.write_drafts
         self._fallback = TorchKernels()
         self.isa = lib.isa  # linear's instruction set; both give the same bits
         self._isa = _ISA_CODE[lib.isa]
@@ -466,6 +525,29 @@ class CpuKernels:
         n_max: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # see TorchKernels.ngram_lookup
         return self._ngram_lookup(history, committed, slots, width, k, n_min, n_max)
+
+    def slot_mapping(
+        self, table: torch.Tensor, token_row: torch.Tensor, positions: torch.Tensor, block_size: int
+    ) -> torch.Tensor:  # see TorchKernels.slot_mapping
+        return self._slot_mapping(table, token_row, positions, block_size)
+
+    def top_tokens(
+        self, logits: torch.Tensor, n: int, vocab: torch.Tensor | None = None
+    ) -> torch.Tensor:  # see TorchKernels.top_tokens
+        return self._top_tokens(logits, n, vocab)
+
+    def write_drafts(
+        self,
+        drafts: torch.Tensor,
+        num_drafts: torch.Tensor,
+        side_drafts: torch.Tensor,
+        slots: torch.Tensor,
+        chain: torch.Tensor,
+        top: torch.Tensor | None = None,
+        found: torch.Tensor | None = None,
+        num: torch.Tensor | None = None,
+    ) -> None:  # see TorchKernels.write_drafts
+        self._write_drafts(drafts, num_drafts, side_drafts, slots, chain, top, found, num)
 
 
 Kernels = CpuKernels | TorchKernels

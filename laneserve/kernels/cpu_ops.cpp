@@ -1530,6 +1530,178 @@ std::tuple<at::Tensor, at::Tensor> ngram_lookup(const at::Tensor& history_in,
   return {drafts, num};
 }
 
+
+// ----------------------------------------------------------------------------
+// Slot mapping (paged KV): one op instead of the index/div/mul/remainder/add chain
+// ----------------------------------------------------------------------------
+// Token t of row token_row[t] at position p goes to slot table[row, p / bs] * bs + p % bs.
+
+namespace {
+
+template <typename B>
+void map_slots(const B* table, int64_t rows, int64_t cols, const int64_t* row,
+               const int64_t* pos, int64_t T, int64_t bs, int64_t* out) {
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t r = row[t], p = pos[t];
+    TORCH_CHECK(0 <= r && r < rows, "slot_mapping: token row ", r, " outside [0, ", rows, ")");
+    TORCH_CHECK(0 <= p && p / bs < cols, "slot_mapping: position ", p,
+                " outside the block table (", cols, " blocks of ", bs, ")");
+    out[t] = static_cast<int64_t>(table[r * cols + p / bs]) * bs + p % bs;
+  }
+}
+
+}  // namespace
+
+at::Tensor slot_mapping(const at::Tensor& table_in, const at::Tensor& token_row_in,
+                        const at::Tensor& positions_in, int64_t block_size) {
+  TORCH_CHECK(table_in.dim() == 2 && (table_in.scalar_type() == at::kInt ||
+                                      table_in.scalar_type() == at::kLong),
+              "slot_mapping: table must be int32 or int64 [R, blocks]");
+  TORCH_CHECK(block_size >= 1, "slot_mapping: block_size must be >= 1");
+  const at::Tensor table = table_in.contiguous();
+  const at::Tensor row = token_row_in.to(at::kLong).contiguous();
+  const at::Tensor pos = positions_in.to(at::kLong).contiguous();
+  TORCH_CHECK(row.dim() == 1 && pos.dim() == 1 && row.size(0) == pos.size(0),
+              "slot_mapping: token_row and positions must be [T]");
+  const int64_t T = pos.size(0), R = table.size(0), C = table.size(1);
+  at::Tensor out = at::empty({T}, pos.options());
+  if (table.scalar_type() == at::kInt)
+    map_slots(table.data_ptr<int32_t>(), R, C, row.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+              T, block_size, out.data_ptr<int64_t>());
+  else
+    map_slots(table.data_ptr<int64_t>(), R, C, row.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+              T, block_size, out.data_ptr<int64_t>());
+  return out;
+}
+
+// ----------------------------------------------------------------------------
+// Draft bookkeeping of a speculative step (MTP head)
+// ----------------------------------------------------------------------------
+// Two ops that replace the ~10 small torch ops around the head's draft: the best
+// tokens of the draft logits (torch's argmax/topk run at ~1 GB/s here) and the write
+// of the next step's drafts into the rows' state slots.
+
+namespace {
+
+// x ranks above y: NaN first (as torch.argmax and a descending stable sort), then the
+// larger value, ties broken by the lower index.
+inline bool ranks_above(float x, int64_t i, float y, int64_t j) {
+  const bool xn = std::isnan(x), yn = std::isnan(y);
+  if (xn != yn) return xn;
+  if (!xn && x != y) return x > y;
+  return i < j;
+}
+
+// The n best indices of one row, best first, into out (n <= V).
+void top_row(const float* x, int64_t V, int64_t n, int64_t* out) {
+  if (n == 1) {
+    out[0] = argmax_row(x, V);
+    return;
+  }
+  int64_t used = 0;  // out[0 .. used) kept sorted best first
+  for (int64_t j = 0; j < V; ++j) {
+    if (used == n && !ranks_above(x[j], j, x[out[n - 1]], out[n - 1])) continue;
+    int64_t pos = used < n ? used++ : n - 1;
+    while (pos > 0 && ranks_above(x[j], j, x[out[pos - 1]], out[pos - 1])) {
+      out[pos] = out[pos - 1];
+      --pos;
+    }
+    out[pos] = j;
+  }
+}
+
+}  // namespace
+
+// logits [N, V] float32 -> [N, n] int64: each row's n best columns, best first (ties:
+// the lower column), as token ids through vocab [V] when given (a draft vocabulary).
+at::Tensor top_tokens(const at::Tensor& logits_in, int64_t n,
+                      const std::optional<at::Tensor>& vocab_in) {
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat,
+              "top_tokens: logits must be float32 [N, V]");
+  const at::Tensor logits = logits_in.contiguous();
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(1 <= n && n <= V, "top_tokens: n = ", n, " outside [1, V = ", V, "]");
+  at::Tensor vocab;
+  if (vocab_in.has_value() && vocab_in->defined()) {
+    vocab = vocab_in->to(at::kLong).contiguous();
+    TORCH_CHECK(vocab.dim() == 1 && vocab.size(0) == V, "top_tokens: vocab must be [V]");
+  }
+  at::Tensor out = at::empty({N, n}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t* vp = vocab.defined() ? vocab.data_ptr<int64_t>() : nullptr;
+  at::parallel_for(0, N, rows_grain(V), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      top_row(lp + i * V, V, n, op + i * n);
+      if (vp)
+        for (int64_t j = 0; j < n; ++j) op[i * n + j] = vp[op[i * n + j]];
+    }
+  });
+  return out;
+}
+
+// For each row r (state slot s = slots[r]): the drafts are found[r] with num[r] of them
+// where a lookup found some (num[r] > 0), else chain[r] (the head's k drafts);
+// side_drafts[s, :A] are the best A of top[r] (the head's 1 + A best first tokens) that
+// differ from the row's first draft. found/num and top are optional.
+void write_drafts(at::Tensor& drafts, at::Tensor& num_drafts, at::Tensor& side_drafts,
+                  const at::Tensor& slots_in, const at::Tensor& chain_in,
+                  const std::optional<at::Tensor>& top_in,
+                  const std::optional<at::Tensor>& found_in,
+                  const std::optional<at::Tensor>& num_in) {
+  for (const at::Tensor* t : {&drafts, &num_drafts, &side_drafts})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "write_drafts: state tensors must be contiguous int64");
+  TORCH_CHECK(drafts.dim() == 2 && num_drafts.dim() == 1 && side_drafts.dim() == 2 &&
+                  num_drafts.size(0) == drafts.size(0) && side_drafts.size(0) == drafts.size(0),
+              "write_drafts: drafts [S, K], num_drafts [S], side_drafts [S, W]");
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous();
+  const at::Tensor chain = chain_in.to(at::kLong).contiguous();
+  const int64_t S = drafts.size(0), R = slots.size(0), k = chain.dim() == 2 ? chain.size(1) : 0;
+  TORCH_CHECK(chain.dim() == 2 && chain.size(0) == R && 1 <= k && k <= drafts.size(1),
+              "write_drafts: chain must be [R, k] with 1 <= k <= drafts.size(1)");
+  const bool lookup = found_in.has_value() && found_in->defined();
+  TORCH_CHECK(lookup == (num_in.has_value() && num_in->defined()),
+              "write_drafts: found and num go together");
+  at::Tensor found, num, top;
+  if (lookup) {
+    found = found_in->to(at::kLong).contiguous();
+    num = num_in->to(at::kLong).contiguous();
+    TORCH_CHECK(found.sizes() == chain.sizes() && num.dim() == 1 && num.size(0) == R,
+                "write_drafts: found [R, k] and num [R]");
+  }
+  int64_t A = 0;
+  if (top_in.has_value() && top_in->defined()) {
+    top = top_in->to(at::kLong).contiguous();
+    A = top.dim() == 2 ? top.size(1) - 1 : -1;
+    TORCH_CHECK(top.dim() == 2 && top.size(0) == R && 0 <= A && A <= side_drafts.size(1),
+                "write_drafts: top must be [R, 1 + A] with A <= side_drafts.size(1)");
+  }
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(0 <= sp[r] && sp[r] < S, "write_drafts: slot ", sp[r], " outside [0, ", S, ")");
+  const int64_t Kd = drafts.size(1), Wd = side_drafts.size(1);
+  int64_t* dp = drafts.data_ptr<int64_t>();
+  int64_t* np = num_drafts.data_ptr<int64_t>();
+  int64_t* xp = side_drafts.data_ptr<int64_t>();
+  const int64_t* cp = chain.data_ptr<int64_t>();
+  const int64_t* fp = lookup ? found.data_ptr<int64_t>() : nullptr;
+  const int64_t* mp = lookup ? num.data_ptr<int64_t>() : nullptr;
+  const int64_t* tp = A > 0 ? top.data_ptr<int64_t>() : nullptr;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t s = sp[r];
+    const bool hit = lookup && mp[r] > 0;
+    const int64_t* src = (hit ? fp : cp) + r * k;
+    std::copy(src, src + k, dp + s * Kd);
+    np[s] = hit ? mp[r] : k;
+    if (A == 0) continue;
+    const int64_t* cand = tp + r * (A + 1);
+    int64_t w = 0;
+    for (int64_t j = 0; j <= A && w < A; ++j)
+      if (cand[j] != src[0]) xp[s * Wd + w++] = cand[j];
+  }
+}
+
 }  // namespace laneserve
 
 TORCH_LIBRARY(laneserve, m) {
@@ -1559,6 +1731,13 @@ TORCH_LIBRARY(laneserve, m) {
   m.def(
       "ngram_lookup(Tensor history, Tensor committed, Tensor slots, int width, int k, "
       "int n_min, int n_max) -> (Tensor, Tensor)");
+  m.def(
+      "slot_mapping(Tensor table, Tensor token_row, Tensor positions, int block_size) -> "
+      "Tensor");
+  m.def("top_tokens(Tensor logits, int n, Tensor? vocab) -> Tensor");
+  m.def(
+      "write_drafts(Tensor(a!) drafts, Tensor(b!) num_drafts, Tensor(c!) side_drafts, "
+      "Tensor slots, Tensor chain, Tensor? top, Tensor? found, Tensor? num) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
@@ -1573,4 +1752,7 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("verify_greedy", &laneserve::verify_greedy);
   m.impl("commit_side_rows", &laneserve::commit_side_rows);
   m.impl("ngram_lookup", &laneserve::ngram_lookup);
+  m.impl("slot_mapping", &laneserve::slot_mapping);
+  m.impl("top_tokens", &laneserve::top_tokens);
+  m.impl("write_drafts", &laneserve::write_drafts);
 }

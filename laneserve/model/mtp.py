@@ -79,13 +79,8 @@ class MtpHead:
         self.norm.add_(y, residual)  # y = norm(residual + mlp_out)
         return y
 
-    def draft(self, normed: torch.Tensor) -> torch.Tensor:  # [N] greedy draft token ids
-        best = self.head(normed).argmax(dim=-1)
-        return best if self.draft_vocab is None else self.draft_vocab.index_select(0, best)
-
-    def draft_top(self, normed: torch.Tensor, n: int) -> torch.Tensor:  # [N, n] best first
-        best = self.head(normed).topk(n, dim=-1).indices
-        return best if self.draft_vocab is None else self.draft_vocab[best]
+    def draft(self, normed: torch.Tensor, n: int = 1) -> torch.Tensor:  # [N, n] best first
+        return self.kernels.top_tokens(self.head(normed), n, self.draft_vocab)
 
 
 SHIPPED_HEADS = {

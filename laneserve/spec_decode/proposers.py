@@ -64,29 +64,28 @@ class MtpProposer:
         if view.slots.numel() == 0:
             return  # a prompt chunk: only the head's KV was needed
         h = out.index_select(0, view.last_index)  # [Rs, H]
-        top = self.head.draft_top(h, 1 + self.alternatives) if self.alternatives else None
-        token = top[:, 0] if top is not None else self.head.draft(h)
-        drafts = [token]
+        top = self.head.draft(h, 1 + self.alternatives)  # [Rs, 1 + A] best first
+        drafts, token = [top[:, :1]], top[:, 0]
         pos = view.positions.index_select(0, view.last_index) if self.k > 1 else None
         for _ in range(self.k - 1):
             pos = pos + 1
             h = self.head.forward(token, h, pos, self._single_token_meta(view, pos), self.kv_cache)
-            token = self.head.draft(h)
-            drafts.append(token)
-        chain = torch.stack(drafts, dim=1)
-        if self.lookup is None:
-            state.drafts[view.slots, : self.k] = chain
-            state.num_drafts.index_fill_(0, view.slots, self.k)
-            if top is not None:
-                state.side_drafts[view.slots, : self.alternatives] = top[:, 1:]
-            return
-        found, num = self.lookup.lookup(state, view)
-        hit = num > 0
-        state.drafts[view.slots, : self.k] = torch.where(hit[:, None], found, chain)
-        state.num_drafts.index_copy_(0, view.slots, torch.where(hit, num, self.k))
-        if top is not None:  # the head's best tokens other than the first draft
-            others = torch.where(hit[:, None], best_except(top, found[:, 0]), top[:, 1:])
-            state.side_drafts[view.slots, : self.alternatives] = others
+            token = self.head.draft(h)[:, 0]
+            drafts.append(token[:, None])
+        chain = drafts[0] if self.k == 1 else torch.cat(drafts, dim=1)  # [Rs, k]
+        found = num = None
+        if self.lookup is not None:
+            found, num = self.lookup.lookup(state, view)
+        self.head.kernels.write_drafts(
+            state.drafts,
+            state.num_drafts,
+            state.side_drafts,
+            view.slots,
+            chain,
+            top if self.alternatives else None,
+            found,
+            num,
+        )
 
     def _single_token_meta(self, view: StepView, pos: torch.Tensor) -> AttentionMetadata:
         bs, table = self.block_size, view.mtp_table
@@ -101,11 +100,3 @@ class MtpProposer:
             decode_query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=pos.device),
             prefills=(),
         )
-
-
-def best_except(top: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """[R, 1 + W] best-first candidates -> the best W that differ from token [R] (the
-    alternatives of a token tree must all differ from the first draft)."""
-    differ = top != token[:, None]
-    order = torch.sort((~differ).to(torch.int8), dim=1, stable=True).indices
-    return top.gather(1, order)[:, : top.shape[1] - 1]

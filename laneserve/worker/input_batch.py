@@ -202,7 +202,7 @@ class StepInputs:
     row_decode: torch.Tensor  # [R] bool
     row_start: torch.Tensor  # [R] int64 planned start (exact for prefill rows)
     row_qlen: torch.Tensor  # [R] int64
-    block_tables: list[torch.Tensor]  # per group [R, max_blocks] int64
+    block_tables: list[torch.Tensor]  # per group [R, max_blocks] int32 (as attention reads)
     token_row: torch.Tensor  # [T] int64
     token_offset: torch.Tensor  # [T] int64
     token_is_draft: torch.Tensor  # [T] bool
@@ -330,7 +330,7 @@ def build_inputs(
         row_decode=dev(rows[1], torch.bool),
         row_start=dev(rows[2]),
         row_qlen=dev(rows[3]),
-        block_tables=[dev(t) for t in tables],
+        block_tables=[dev(t, torch.int32) for t in tables],
         token_row=dev(tok[0]),
         token_offset=dev(tok[1]),
         token_is_draft=dev(tok[2], torch.bool),

@@ -221,7 +221,7 @@ class ModelRunner:
         return AttentionMetadata(
             slot_mapping=self._slot_mapping(inp, positions, 0),
             num_decode_tokens=inp.num_decode_tokens,
-            decode_block_tables=inp.block_tables[0][:nd].to(torch.int32) if nd else None,
+            decode_block_tables=inp.block_tables[0][:nd] if nd else None,
             decode_seq_lens=(start[:nd] + inp.row_qlen[:nd]).to(torch.int32) if nd else None,
             decode_query_start_loc=inp.decode_query_start_loc if nd else None,
             prefills=self._prefill_spans(inp, 0),
@@ -236,14 +236,13 @@ class ModelRunner:
         return replace(
             meta,
             slot_mapping=self._slot_mapping(inp, positions, group),
-            decode_block_tables=inp.block_tables[group][:nd].to(torch.int32) if nd else None,
+            decode_block_tables=inp.block_tables[group][:nd] if nd else None,
             prefills=self._prefill_spans(inp, group),
         )
 
     def _slot_mapping(self, inp: StepInputs, positions: torch.Tensor, group: int) -> torch.Tensor:
-        bs, table = self.block_size, inp.block_tables[group]
-        block = table[inp.token_row, torch.div(positions, bs, rounding_mode="floor")]
-        return block * bs + positions % bs
+        table = inp.block_tables[group]
+        return self.model.kernels.slot_mapping(table, inp.token_row, positions, self.block_size)
 
     def _prefill_spans(self, inp: StepInputs, group: int) -> tuple[PrefillSpan, ...]:
         return tuple(

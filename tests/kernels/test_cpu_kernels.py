@@ -609,6 +609,22 @@ def test_write_then_attend(ck: CpuKernels) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_slot_mapping_matches_torch(ck: CpuKernels, tk: TorchKernels, dtype) -> None:
+    bs = 4
+    table = torch.tensor([[7, 2, 9], [1, 0, 5]], dtype=dtype)
+    rows = torch.tensor([0, 0, 1, 1, 1, 0])
+    pos = torch.tensor([0, 5, 3, 8, 11, 9])
+    want = [7 * 4 + 0, 2 * 4 + 1, 1 * 4 + 3, 5 * 4 + 0, 5 * 4 + 3, 9 * 4 + 1]
+    for kern in (ck, tk):
+        got = kern.slot_mapping(table, rows, pos, bs)
+        assert got.dtype == torch.int64 and got.tolist() == want
+    with pytest.raises(RuntimeError, match="outside the block table"):
+        ck.slot_mapping(table, rows, torch.tensor([0, 0, 0, 0, 12, 0]), bs)
+    with pytest.raises(RuntimeError, match="token row"):
+        ck.slot_mapping(table, torch.tensor([2]), torch.tensor([0]), bs)
+
+
 # ----------------------------------------------------------------------------- selection / build
 
 

@@ -131,6 +131,55 @@ def test_ngram_lookup_kernels_agree_with_a_plain_search() -> None:
         assert torch.equal(got[0][0], got[-1][0]) and torch.equal(got[0][1], got[-1][1])
 
 
+def _top_reference(row: list[float], n: int) -> list[int]:
+    """Best first: NaN highest, then larger values, ties to the lower column."""
+    key = [(0 if v != v else 1, -v if v == v else 0.0, j) for j, v in enumerate(row)]
+    return [j for _, _, j in sorted(key)[:n]]
+
+
+def test_top_tokens_kernels_agree_with_a_plain_sort() -> None:
+    """Ties (few distinct values), NaNs and a vocabulary map: both kernel sets give the
+    plain sort's order, for n = 1 (the draft) and n > 1 (a token tree's candidates)."""
+    g = torch.Generator().manual_seed(0)
+    sets = _kernel_sets()
+    for trial in range(40):
+        rows, cols = 1 + trial % 3, 5 + 7 * (trial % 5)
+        logits = torch.randint(-3, 3, (rows, cols), generator=g).float() / 2
+        if trial % 4 == 3:
+            logits[0, cols // 2] = float("nan")
+        vocab = torch.randperm(1000, generator=g)[:cols] if trial % 2 else None
+        for n in (1, 2, min(3, cols), cols):
+            want = torch.tensor([_top_reference(r, n) for r in logits.tolist()])
+            if vocab is not None:
+                want = vocab[want]
+            for kern in sets:
+                assert torch.equal(kern.top_tokens(logits, n, vocab), want), (trial, n, kern.name)
+    for kern in sets:
+        with pytest.raises((ValueError, RuntimeError), match="outside"):
+            kern.top_tokens(torch.zeros(2, 4), 5)
+
+
+@pytest.mark.parametrize("kernels", _kernel_sets(), ids=lambda k: k.name)
+def test_write_drafts_prefers_the_lookup_and_keeps_candidates_distinct(kernels: object) -> None:
+    drafts, num_drafts = torch.full((5, 3), -1), torch.full((5,), -1)
+    side = torch.full((5, 2), -1)
+    slots = torch.tensor([3, 0, 4])
+    chain = torch.tensor([[5, 50], [6, 60], [7, 70]])
+    top = torch.tensor([[5, 7, 9], [6, 7, 9], [7, 3, 5]])  # the head's best first tokens
+    found = torch.tensor([[7, 71], [0, 0], [3, 31]])
+    num = torch.tensor([1, 0, 2])  # rows 0 and 2: the lookup found drafts
+    kernels.write_drafts(drafts, num_drafts, side, slots, chain, top, found, num)
+    assert drafts[[3, 0, 4]].tolist() == [[7, 71, -1], [6, 60, -1], [3, 31, -1]]
+    assert num_drafts.tolist() == [2, -1, -1, 1, 2]
+    # alternatives: the head's best tokens other than the row's first draft
+    assert side[[3, 0, 4]].tolist() == [[5, 9], [7, 9], [7, 5]]
+    assert drafts[[1, 2]].eq(-1).all() and side[[1, 2]].eq(-1).all()  # other slots untouched
+    kernels.write_drafts(drafts, num_drafts, side, slots[:2], chain[:2, :1])  # head only
+    assert drafts[[3, 0], :1].tolist() == [[5], [6]] and num_drafts[[3, 0]].tolist() == [1, 1]
+    with pytest.raises((ValueError, RuntimeError), match="together"):
+        kernels.write_drafts(drafts, num_drafts, side, slots, chain, None, found, None)
+
+
 def test_fewer_drafts_near_max_model_len() -> None:
     core, worker = make_core(max_model_len=24, spec=4, budget=64)
     drive_core(core, [(0, list(range(1, 15)), SamplingParams(max_tokens=100, ignore_eos=True))])

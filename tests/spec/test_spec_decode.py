@@ -8,13 +8,11 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from laneserve import LLM, SamplingParams
 from laneserve import kernels as kernels_mod
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
-from laneserve.spec_decode.proposers import best_except
 from laneserve.worker.model_runner import ModelRunner
 from tests.tiny_models import build_bigram_model, build_exact_mtp_head, hf_greedy
 
@@ -244,12 +242,6 @@ def test_mtp_ngram_first_with_a_token_tree(bigram: dict) -> None:
             outs.append(out[0].outputs[0].token_ids)
             assert llm.get_stats()["spec_num_drafts"] > 0
     assert outs[0] == outs[1]
-
-
-def test_tree_alternatives_skip_the_lookup_draft() -> None:
-    top = torch.tensor([[5, 7, 9], [5, 7, 9], [5, 7, 9]])
-    got = best_except(top, torch.tensor([7, 3, 5]))
-    assert got.tolist() == [[5, 9], [5, 7], [7, 9]]
 
 
 def test_seeded_sampling_reproducible_with_speculation(bigram: dict) -> None:
