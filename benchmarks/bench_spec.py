@@ -62,6 +62,12 @@ CONFIGS = {
     },
     # the head's linears as int8 (`"quantization": "int8"`): half the bytes per draft
     "mtp k=1, int8 head": {"method": "mtp", "num_speculative_tokens": 1, "quantization": "int8"},
+    "mtp k=1, ngram_first, int8 head": {
+        "method": "mtp",
+        "num_speculative_tokens": 1,
+        "ngram_first": True,
+        "quantization": "int8",
+    },
     f"mtp tree {TREE3}, int8 head": {
         "method": "mtp",
         "speculative_token_tree": TREE3,
@@ -253,6 +259,13 @@ def main() -> None:
     ap.add_argument(
         "--cases", default="chat,repeat,concurrent", help="comma-separated subset of the cases"
     )
+    ap.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        help="a configuration to keep in every case, by name; repeat for more (default: all; "
+        '"no speculation" always runs, as the baseline)',
+    )
     ns = ap.parse_args()
     if ns.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -291,11 +304,18 @@ def main() -> None:
         f"async {'off' if ns.no_async else 'on'}, worker {ns.worker_mode}, "
         f"interleaved by {ns.interleave}"
     )
+    keep = None
+    if ns.config:
+        keep = {"no speculation", *ns.config}
+        unknown = sorted(keep - set(CONFIGS))
+        if unknown:
+            ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
     rows = []
     for key in ns.cases.split(","):
         if key not in cases:
             ap.error(f"unknown case {key!r}; known: {', '.join(cases)}")
         title, prompts, batch, names = cases[key]
+        names = [n for n in names if keep is None or n in keep]
         got = run_case(names, prompts, batch, ns, title)
         print_table(title, mode, got, ns)
         rows += got

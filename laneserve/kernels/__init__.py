@@ -322,14 +322,13 @@ class TorchKernels:
         n: int,
         vocab: torch.Tensor | None = None,  # [V] int64 token id of each column
     ) -> torch.Tensor:  # [N, n] int64
-        """Each row's n best columns, best first (ties: the lower column; NaN ranks
-        highest, as in torch.argmax), mapped through vocab when given."""
+        """Each row's n best columns, best first (NaN ranks highest, as in torch.argmax),
+        mapped through vocab when given. Ties: the lower column first for n = 1 and in the
+        C++ op; here, for n > 1, in torch.topk's order (a full stable sort of a draft
+        vocabulary costs ~0.4 ms on CPU)."""
         if not 1 <= n <= logits.shape[1]:
             raise ValueError(f"top_tokens: n = {n} outside [1, V = {logits.shape[1]}]")
-        if n == 1:
-            best = logits.argmax(dim=-1, keepdim=True)
-        else:
-            best = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :n]
+        best = logits.argmax(dim=-1, keepdim=True) if n == 1 else logits.topk(n, dim=-1).indices
         return best if vocab is None else vocab[best]
 
     def write_drafts(

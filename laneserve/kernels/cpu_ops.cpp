@@ -1599,14 +1599,18 @@ void top_row(const float* x, int64_t V, int64_t n, int64_t* out) {
     return;
   }
   int64_t used = 0;  // out[0 .. used) kept sorted best first
+  float worst = 0.0f;  // x[out[n - 1]] once used == n
   for (int64_t j = 0; j < V; ++j) {
-    if (used == n && !ranks_above(x[j], j, x[out[n - 1]], out[n - 1])) continue;
+    // NOTE: x[j] <= worst is false for a NaN on either side: those take the full test.
+    // Columns come in increasing order, so a tie with the worst never ranks above it.
+    if (used == n && (x[j] <= worst || !ranks_above(x[j], j, worst, out[n - 1]))) continue;
     int64_t pos = used < n ? used++ : n - 1;
     while (pos > 0 && ranks_above(x[j], j, x[out[pos - 1]], out[pos - 1])) {
       out[pos] = out[pos - 1];
       --pos;
     }
     out[pos] = j;
+    worst = x[out[used - 1]];
   }
 }
 
