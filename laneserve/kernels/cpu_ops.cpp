@@ -1530,7 +1530,6 @@ std::tuple<at::Tensor, at::Tensor> ngram_lookup(const at::Tensor& history_in,
   return {drafts, num};
 }
 
-
 // ----------------------------------------------------------------------------
 // Slot mapping (paged KV): one op instead of the index/div/mul/remainder/add chain
 // ----------------------------------------------------------------------------
