@@ -8,6 +8,11 @@ the base model's, frozen. The loss runs over a *draft vocabulary*: the most
 frequent target tokens, which also makes every draft's LM-head matmul small
 at inference. The decoder layer starts from the base model's last layer.
 
+`--lookup-weight W` scales the loss at positions where a prompt lookup (the last n =
+2..4 tokens of the context seen earlier in it, as `ngram_first` searches) finds a match:
+with `ngram_first` the lookup drafts there, so the head need not learn to copy (0 skips
+those positions and leaves the head's capacity to the rest).
+
 Resumable: data and checkpoints live in `<out>.work/`; `--resume` continues
 from the last checkpoint. The export is bf16 safetensors with DeepSeek-V3
 names (`model.layers.{L}.*`) plus `draft_vocab`, and metadata recording how
@@ -64,6 +69,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="float32",
         help="bfloat16: mixed precision (autocast; fp32 weights and optimizer), ~40%% faster "
         "steps on CPUs with bf16 dot products (AVX512-BF16)",
+    )
+    p.add_argument(
+        "--lookup-weight",
+        type=float,
+        default=1.0,
+        help="loss weight of positions a prompt lookup (n = 2..4) covers, where ngram_first "
+        "drafts from the lookup (0: skip them)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
@@ -124,6 +136,8 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def _check_counts(ns: argparse.Namespace) -> None:
+    if not 0.0 <= ns.lookup_weight <= 1.0:
+        raise SystemExit(f"--lookup-weight must be in [0, 1], got {ns.lookup_weight}")
     most_train, most_held = len(training_prompts(10**9)), len(heldout_prompts(10**9))
     if not 1 <= ns.num_prompts <= most_train:
         raise ValueError(f"--num-prompts must be in [1, {most_train}], got {ns.num_prompts}")
@@ -190,6 +204,40 @@ def collate(group: list[Sample], vocab_index: torch.Tensor) -> tuple[torch.Tenso
     return nxt, hid, tgt
 
 
+# The lookup `ngram_first` runs with its defaults (SpeculativeConfig.prompt_lookup_min/max).
+LOOKUP_N_MIN, LOOKUP_N_MAX = 2, 4
+
+
+def lookup_covered(
+    tokens: list[int], n_min: int = LOOKUP_N_MIN, n_max: int = LOOKUP_N_MAX
+) -> list[bool]:
+    """covered[c] for c = 0..len(tokens): with the context tokens[:c], a prompt lookup
+    finds its last n tokens (n_min <= n <= n_max) at an earlier start s <= c - n - 1, as
+    `kernels.ngram_lookup` searches."""
+    seen: list[set[tuple[int, ...]]] = [set() for _ in range(n_max + 1)]
+    covered = [False] * (len(tokens) + 1)
+    for c in range(len(tokens) + 1):
+        for n in range(n_min, n_max + 1):
+            s = c - n - 1  # the latest start an earlier occurrence may have
+            if s >= 0:
+                seen[n].add(tuple(tokens[s : s + n]))
+                covered[c] = covered[c] or tuple(tokens[c - n : c]) in seen[n]
+    return covered
+
+
+def target_weights(group: list[Sample], tgt: torch.Tensor, lookup_weight: float) -> torch.Tensor:
+    """[B, L] loss weight per position: `lookup_weight` where a prompt lookup covers the
+    target (position j predicts t[j+2] from the context t[:j+2]), else 1."""
+    weight = torch.ones(tgt.shape)
+    if lookup_weight == 1.0:
+        return weight
+    for i, s in enumerate(group):
+        covered = torch.tensor(lookup_covered(s.tokens)[2:])  # context length j + 2
+        n = min(covered.shape[0], tgt.shape[1])
+        weight[i, :n] = torch.where(covered[:n], lookup_weight, 1.0)
+    return weight
+
+
 def train_loop(
     module: MtpTrainModule, train: list[Sample], ns: argparse.Namespace, work: Path
 ) -> None:
@@ -217,11 +265,14 @@ def train_loop(
     while step < total:
         if not epoch_batches:
             epoch_batches = batches(train, ns.batch_size, rng)
-        nxt, hid, tgt = collate(epoch_batches.pop(), module.vocab_index)
+        group = epoch_batches.pop()
+        nxt, hid, tgt = collate(group, module.vocab_index)
+        weight = target_weights(group, tgt, ns.lookup_weight)
+        tgt = tgt.masked_fill(weight == 0, -100)  # weight 0: not even computed
         if not (tgt >= 0).any():
             continue  # every target outside the draft vocabulary: nothing to learn
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ns.train_dtype == "bfloat16"):
-            loss = distill_loss(module, nxt, hid, tgt, ns.distill)
+            loss = distill_loss(module, nxt, hid, tgt, ns.distill, weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -241,18 +292,25 @@ def distill_loss(
     hid: torch.Tensor,  # [B, L, H] target normed hidden h[i]
     tgt: torch.Tensor,  # [B, L] t[i+2] in draft-vocab ids, -100 = skip
     mode: str,
+    weight: torch.Tensor | None = None,  # [B, L] per-position loss weight (None: all 1)
 ) -> torch.Tensor:
     """Cross-entropy of the head's t[i+2] logits against the target: its greedy token
     ("hard"), or its whole distribution over the draft vocabulary ("soft"), which is the
-    target's output at position i + 1, computed from h[i+1]."""
+    target's output at position i + 1, computed from h[i+1]. A weighted mean over the
+    positions that have a target."""
     mask = tgt >= 0
     logits = module(nxt, hid, only=mask).float()  # [n, Vd]
     if mode == "hard":
-        return F.cross_entropy(logits, tgt[mask])
-    # NOTE: position i's target is never a sequence's last input, so h[i+1] exists.
-    following = torch.cat([hid[:, 1:], torch.zeros_like(hid[:, :1])], dim=1)
-    teacher = module.teacher_logits(following[mask]).float().softmax(dim=-1)
-    return -(teacher * logits.log_softmax(dim=-1)).sum(dim=-1).mean()
+        per_pos = F.cross_entropy(logits, tgt[mask], reduction="none")
+    else:
+        # NOTE: position i's target is never a sequence's last input, so h[i+1] exists.
+        following = torch.cat([hid[:, 1:], torch.zeros_like(hid[:, :1])], dim=1)
+        teacher = module.teacher_logits(following[mask]).float().softmax(dim=-1)
+        per_pos = -(teacher * logits.log_softmax(dim=-1)).sum(dim=-1)
+    if weight is None:
+        return per_pos.mean()
+    w = weight[mask].to(per_pos.dtype)
+    return (per_pos * w).sum() / w.sum()
 
 
 @torch.no_grad()

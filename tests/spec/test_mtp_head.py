@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 
 from laneserve import LLM, SamplingParams
-from laneserve.kernels import get_kernels
+from laneserve.kernels import TorchKernels, get_kernels
 from laneserve.model.attention import AttentionMetadata, PrefillSpan
 from laneserve.model.llama import LlamaModel
 from laneserve.model.loader import WeightStore, resolve_checkpoint
 from laneserve.model.mtp import load_mtp_head
 from laneserve.spec_decode import mtp_prompts
 from laneserve.spec_decode.mtp_module import MtpTrainModule
-from laneserve.spec_decode.train_mtp import distill_loss
+from laneserve.spec_decode.train_mtp import distill_loss, lookup_covered
 
 
 def test_train_module_matches_inference_head(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -68,7 +68,7 @@ def test_train_mtp_cli_resumes_and_produces_a_working_head(
     cmd = [
         sys.executable, "-m", "laneserve.entrypoints.cli", "train-mtp", "--model", str(tiny_models["qwen3"]),
         "--out", str(out), "--num-prompts", "16", "--max-new-tokens", "16", "--epochs", "1",
-        "--draft-vocab", "200", "--dtype", "float32",
+        "--draft-vocab", "200", "--dtype", "float32", "--lookup-weight", "0.5",
     ]  # fmt: skip
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -77,7 +77,7 @@ def test_train_mtp_cli_resumes_and_produces_a_working_head(
     # resumed with mixed precision from the checkpoint on
     again_args = ["--epochs", "2", "--draft-vocab", "200", "--dtype", "float32", "--resume"]
     again = subprocess.run(
-        [*cmd[:-6], *again_args, "--train-dtype", "bfloat16"],
+        [*cmd[:-8], *again_args, "--train-dtype", "bfloat16", "--lookup-weight", "0"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -140,3 +140,38 @@ def test_prompt_sets_are_disjoint() -> None:
     # any prefix mixes chat and raw text and spreads over the templates
     first = mtp_prompts.training_prompts(200)
     assert {chat for _, chat in first} == {True, False}
+
+
+def test_lookup_covered_matches_the_lookup_kernel() -> None:
+    """The trainer's `--lookup-weight` positions are exactly those where the runtime
+    lookup (`kernels.ngram_lookup`, n = 2..4) finds a match for the context."""
+    kern = TorchKernels()
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        seq = torch.randint(0, 3 + trial % 5, (40,), generator=g).tolist()
+        covered = lookup_covered(seq)
+        hist = torch.tensor([seq])
+        for c in range(len(seq) + 1):
+            _, num = kern.ngram_lookup(hist, torch.tensor([c]), torch.tensor([0]), 40, 1, 2, 4)
+            assert covered[c] == bool(num[0] > 0), (trial, c)
+
+
+def test_distill_loss_weights_positions(tiny_models: dict[str, Path]) -> None:
+    ckpt = resolve_checkpoint(str(tiny_models["llama"]), "float32", torch.device("cpu"))
+    module = MtpTrainModule.from_base(ckpt, None)
+    module.set_draft_vocab(torch.arange(0, 320, 2))
+    g = torch.Generator().manual_seed(1)
+    nxt = torch.randint(0, 320, (1, 5), generator=g)
+    hid = torch.randn(1, 5, ckpt.arch.hidden_size, generator=g)
+    tgt = torch.tensor([[3, 7, -100, 11, -100]])
+    weight = torch.tensor([[1.0, 0.25, 1.0, 0.25, 1.0]])
+    with torch.no_grad():
+        # one position at a time (the others masked out), then the weighted mean of the three
+        per = [
+            distill_loss(module, nxt, hid, tgt.where(tgt == t, -100), "soft") for t in (3, 7, 11)
+        ]
+        got = distill_loss(module, nxt, hid, tgt, "soft", weight)
+        ones = distill_loss(module, nxt, hid, tgt, "soft", torch.ones(1, 5))
+        plain = distill_loss(module, nxt, hid, tgt, "soft")
+    torch.testing.assert_close(got, (per[0] + 0.25 * per[1] + 0.25 * per[2]) / 1.5)
+    torch.testing.assert_close(ones, plain)
