@@ -137,7 +137,7 @@ def run(ns: argparse.Namespace) -> int:
 
 def _check_counts(ns: argparse.Namespace) -> None:
     if not 0.0 <= ns.lookup_weight <= 1.0:
-        raise SystemExit(f"--lookup-weight must be in [0, 1], got {ns.lookup_weight}")
+        raise ValueError(f"--lookup-weight must be in [0, 1], got {ns.lookup_weight}")
     most_train, most_held = len(training_prompts(10**9)), len(heldout_prompts(10**9))
     if not 1 <= ns.num_prompts <= most_train:
         raise ValueError(f"--num-prompts must be in [1, {most_train}], got {ns.num_prompts}")
@@ -225,12 +225,15 @@ def lookup_covered(
     return covered
 
 
-def target_weights(group: list[Sample], tgt: torch.Tensor, lookup_weight: float) -> torch.Tensor:
+def target_weights(
+    group: list[Sample], tgt: torch.Tensor, lookup_weight: float
+) -> torch.Tensor | None:
     """[B, L] loss weight per position: `lookup_weight` where a prompt lookup covers the
-    target (position j predicts t[j+2] from the context t[:j+2]), else 1."""
-    weight = torch.ones(tgt.shape)
+    target (position j predicts t[j+2] from the context t[:j+2]), else 1. None when every
+    weight is 1 (the plain mean, as before the option existed)."""
     if lookup_weight == 1.0:
-        return weight
+        return None
+    weight = torch.ones(tgt.shape)
     for i, s in enumerate(group):
         covered = torch.tensor(lookup_covered(s.tokens)[2:])  # context length j + 2
         n = min(covered.shape[0], tgt.shape[1])
@@ -268,7 +271,8 @@ def train_loop(
         group = epoch_batches.pop()
         nxt, hid, tgt = collate(group, module.vocab_index)
         weight = target_weights(group, tgt, ns.lookup_weight)
-        tgt = tgt.masked_fill(weight == 0, -100)  # weight 0: not even computed
+        if weight is not None:
+            tgt = tgt.masked_fill(weight == 0, -100)  # weight 0: not even computed
         if not (tgt >= 0).any():
             continue  # every target outside the draft vocabulary: nothing to learn
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ns.train_dtype == "bfloat16"):
