@@ -41,12 +41,17 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_queued_requests: int | None = None
 
 
+# Default prompt-lookup suffix lengths (n-gram drafts, ngram_first; the MTP trainer's
+# --lookup-weight positions use the same search).
+PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX = 2, 4
+
+
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     method: str  # "mtp" | "ngram"
     num_speculative_tokens: int = 1
     draft_weights: str | None = None  # MTP: separate safetensors file
-    prompt_lookup_min: int = 2  # n-gram (and ngram_first): shortest suffix to match
-    prompt_lookup_max: int = 4  # n-gram (and ngram_first): longest suffix to match
+    prompt_lookup_min: int = PROMPT_LOOKUP_MIN  # n-gram (and ngram_first): shortest suffix
+    prompt_lookup_max: int = PROMPT_LOOKUP_MAX  # n-gram (and ngram_first): longest suffix
     # MTP: a prompt lookup (as method "ngram") drafts first; the head drafts for the rows
     # where the last tokens occurred nowhere earlier in prompt + output
     ngram_first: bool = False

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from laneserve.config import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN
 from laneserve.spec_decode.mtp_data import Sample, generate_samples
 from laneserve.spec_decode.mtp_module import MtpTrainModule
 from laneserve.spec_decode.mtp_prompts import heldout_prompts, training_prompts
@@ -204,12 +205,8 @@ def collate(group: list[Sample], vocab_index: torch.Tensor) -> tuple[torch.Tenso
     return nxt, hid, tgt
 
 
-# The lookup `ngram_first` runs with its defaults (SpeculativeConfig.prompt_lookup_min/max).
-LOOKUP_N_MIN, LOOKUP_N_MAX = 2, 4
-
-
 def lookup_covered(
-    tokens: list[int], n_min: int = LOOKUP_N_MIN, n_max: int = LOOKUP_N_MAX
+    tokens: list[int], n_min: int = PROMPT_LOOKUP_MIN, n_max: int = PROMPT_LOOKUP_MAX
 ) -> list[bool]:
     """covered[c] for c = 0..len(tokens): with the context tokens[:c], a prompt lookup
     finds its last n tokens (n_min <= n <= n_max) at an earlier start s <= c - n - 1, as

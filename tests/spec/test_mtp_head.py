@@ -100,15 +100,23 @@ def test_train_mtp_cli_resumes_and_produces_a_working_head(
         assert len(got[0].outputs[0].token_ids) == 12 and llm.get_stats()["spec_num_drafts"] > 0
 
 
-def test_soft_distillation_targets_the_next_position(tiny_models: dict[str, Path]) -> None:
-    """Soft: cross-entropy against the target's own distribution of t[i+2], i.e. its
-    logits at position i + 1 (from h[i+1]); "hard": against the greedy token."""
+def _train_inputs(
+    tiny_models: dict[str, Path], seed: int, shape: tuple[int, int]
+) -> tuple[MtpTrainModule, torch.Tensor, torch.Tensor]:
+    """A trainable head on the tiny Llama (draft vocab: even ids) and random (t[i+1], h[i])."""
     ckpt = resolve_checkpoint(str(tiny_models["llama"]), "float32", torch.device("cpu"))
     module = MtpTrainModule.from_base(ckpt, None)
     module.set_draft_vocab(torch.arange(0, 320, 2))
-    g = torch.Generator().manual_seed(0)
-    nxt = torch.randint(0, 320, (2, 6), generator=g)
-    hid = torch.randn(2, 6, ckpt.arch.hidden_size, generator=g)
+    g = torch.Generator().manual_seed(seed)
+    nxt = torch.randint(0, 320, shape, generator=g)
+    hid = torch.randn(*shape, ckpt.arch.hidden_size, generator=g)
+    return module, nxt, hid
+
+
+def test_soft_distillation_targets_the_next_position(tiny_models: dict[str, Path]) -> None:
+    """Soft: cross-entropy against the target's own distribution of t[i+2], i.e. its
+    logits at position i + 1 (from h[i+1]); "hard": against the greedy token."""
+    module, nxt, hid = _train_inputs(tiny_models, seed=0, shape=(2, 6))
     tgt = torch.full((2, 6), -100)
     tgt[0, 1:4] = torch.tensor([3, 7, 11])
     tgt[1, 0] = 5
@@ -157,12 +165,7 @@ def test_lookup_covered_matches_the_lookup_kernel() -> None:
 
 
 def test_distill_loss_weights_positions(tiny_models: dict[str, Path]) -> None:
-    ckpt = resolve_checkpoint(str(tiny_models["llama"]), "float32", torch.device("cpu"))
-    module = MtpTrainModule.from_base(ckpt, None)
-    module.set_draft_vocab(torch.arange(0, 320, 2))
-    g = torch.Generator().manual_seed(1)
-    nxt = torch.randint(0, 320, (1, 5), generator=g)
-    hid = torch.randn(1, 5, ckpt.arch.hidden_size, generator=g)
+    module, nxt, hid = _train_inputs(tiny_models, seed=1, shape=(1, 5))
     tgt = torch.tensor([[3, 7, -100, 11, -100]])
     weight = torch.tensor([[1.0, 0.25, 1.0, 0.25, 1.0]])
     with torch.no_grad():
