@@ -341,12 +341,20 @@ void linear_driver(const LinearArgs& a, const W* w) {
 constexpr int64_t kIsaAvx2 = 0;
 constexpr int64_t kIsaAvx512 = 1;
 constexpr int64_t kGroup512 = 8;  // blocks walked together per row tile when M > 6
-// Weight prefetches of this path go to L2 (T1), not L1 (T0). Measured on Zen 4 (one
-// process, the two hints alternated 8 times over 128-token decodes): batch-1 decode
-// 1.04-1.32x faster (median 1.13x), MTP k=1 decode, whose head weights are cold every
-// step, 1.06-1.27x (median 1.19x). The AVX2 path keeps T0: there T1 was even for plain
-// decode and slower for MTP (docs/kernels.md).
-constexpr auto kWeightPrefetchHint512 = _MM_HINT_T1;  // an enum (GCC) or int (clang)
+
+// Weight prefetch of this path: into L2 (T1) while one row tile (M <= 6) streams each
+// weight once, into L1 (T0) when several row tiles reuse it. Measured on Zen 4 (one
+// process, the two hints alternated over 128-token decodes, docs/kernels.md): T1 made
+// batch-1 decode 1.04-1.32x faster (median 1.13x) and MTP k=1 decode, whose head weights
+// are cold every step, 1.06-1.27x (median 1.19x); at batch 8 it was even and at batch 32
+// about 1.5 % slower. The AVX2 path keeps T0: there T1 was even for plain decode and slower
+// for MTP.
+inline void prefetch_weight512(const void* p, bool l2) {
+  if (l2)
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+  else
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw")
@@ -367,6 +375,7 @@ void linear_tile512(const LinearArgs& a, const W* wblk, int64_t m0, int64_t b0) 
   const float* x = a.x + m0 * K;
   const W* w = wblk + b0 * wstride;
   constexpr int64_t kPf = kPrefetchBytes / (kNB * static_cast<int64_t>(sizeof(W)));  // k rows
+  const bool l2 = a.M <= kMaxRows;  // one row tile: no reuse of the weights from L1
 
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -377,8 +386,7 @@ void linear_tile512(const LinearArgs& a, const W* wblk, int64_t m0, int64_t b0) 
     int64_t k = 0;
     for (; k + 2 <= K; k += 2) {
       for (int c = 0; c < C; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(w + c * wstride + (k + kPf) * kNB),
-                     kWeightPrefetchHint512);
+        prefetch_weight512(w + c * wstride + (k + kPf) * kNB, l2);
       for (int c = 0; c < C; ++c) {
         const __m512i v = _mm512_loadu_si512(w + c * wstride + k * kNB);
         const __m512 lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, v));
@@ -401,8 +409,7 @@ void linear_tile512(const LinearArgs& a, const W* wblk, int64_t m0, int64_t b0) 
 #pragma GCC unroll 2
     for (int64_t k = 0; k < K; ++k) {
       for (int c = 0; c < C; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(w + c * wstride + (k + kPf) * kNB),
-                     kWeightPrefetchHint512);
+        prefetch_weight512(w + c * wstride + (k + kPf) * kNB, l2);
       for (int c = 0; c < C; ++c) {
         const __m512 wv = load_w16_512(w + c * wstride + k * kNB);
         for (int r = 0; r < R; ++r)
