@@ -14,7 +14,8 @@ with `ngram_first` the lookup drafts there, so the head need not learn to copy (
 those positions and leaves the head's capacity to the rest).
 
 Resumable: data and checkpoints live in `<out>.work/`; `--resume` continues
-from the last checkpoint. The export is bf16 safetensors with DeepSeek-V3
+from the last checkpoint, or, if generation was interrupted, from its last saved
+batch (`mtp_data.ShardDir`). The export is bf16 safetensors with DeepSeek-V3
 names (`model.layers.{L}.*`) plus `draft_vocab`, and metadata recording how
 it was trained, its top-1 accuracy on sequences from held-out prompts (topics
 and templates the training prompts do not use; = greedy k=1 acceptance there)
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from laneserve.config import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN
-from laneserve.spec_decode.mtp_data import Sample, generate_samples
+from laneserve.spec_decode.mtp_data import Sample, ShardDir, generate_samples
 from laneserve.spec_decode.mtp_module import MtpTrainModule
 from laneserve.spec_decode.mtp_prompts import heldout_prompts, training_prompts
 
@@ -153,10 +154,13 @@ def _data(
         samples = [Sample(**d) for d in torch.load(path)]
         log.info("resumed %s data: %d sequences", name, len(samples))
         return samples
-    samples = generate_samples(
-        llm, prompts, ns.max_new_tokens, ns.gen_batch, f"generating {name} data (self-distillation)"
-    )
+    shards = ShardDir(path.parent, name)
+    if not ns.resume:
+        shards.clear()  # a fresh run: no batch of an earlier one
+    desc = f"generating {name} data (self-distillation)"
+    samples = generate_samples(llm, prompts, ns.max_new_tokens, ns.gen_batch, desc, shards)
     torch.save([s.__dict__ for s in samples], path)
+    shards.clear()  # now in `path`
     return samples
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from laneserve import LLM, SamplingParams
@@ -17,6 +18,7 @@ from laneserve.model.llama import LlamaModel
 from laneserve.model.loader import WeightStore, resolve_checkpoint
 from laneserve.model.mtp import load_mtp_head
 from laneserve.spec_decode import mtp_prompts
+from laneserve.spec_decode.mtp_data import ShardDir, generate_samples
 from laneserve.spec_decode.mtp_module import MtpTrainModule
 from laneserve.spec_decode.train_mtp import distill_loss, lookup_covered
 
@@ -98,6 +100,49 @@ def test_train_mtp_cli_resumes_and_produces_a_working_head(
             use_tqdm=False,
         )
         assert len(got[0].outputs[0].token_ids) == 12 and llm.get_stats()["spec_num_drafts"] > 0
+
+
+def test_interrupted_generation_resumes_from_its_saved_batches(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """An interrupted data generation keeps its finished batches; resuming generates only
+    the rest, and the data equal an uninterrupted run's."""
+    prompts = mtp_prompts.training_prompts(10)
+    with LLM(
+        str(tiny_models["qwen3"]),
+        dtype="float32",
+        async_scheduling=False,
+        enable_prefix_caching=False,
+        max_num_seqs=4,
+    ) as llm:
+        whole = generate_samples(llm, prompts, 8, 4, "whole")
+        shards = ShardDir(tmp_path, "training")
+        real, calls = llm.generate, []
+
+        def generate(*args: object, **kwargs: object) -> object:
+            calls.append(len(args[0]))
+            if len(calls) == 3:
+                raise KeyboardInterrupt  # stopped during the third batch
+            return real(*args, **kwargs)
+
+        llm.generate = generate
+        with pytest.raises(KeyboardInterrupt):
+            generate_samples(llm, prompts, 8, 4, "interrupted", shards)
+        assert [(a, b) for a, b, _ in shards.files()] == [(0, 4), (4, 8)]
+        calls.clear()
+        resumed = generate_samples(llm, prompts, 8, 4, "resumed", shards)
+        assert calls == [2]  # only the last two prompts were generated again
+    assert len(resumed) == len(whole) > 0
+    for a, b in zip(resumed, whole, strict=True):
+        assert a.tokens == b.tokens and a.prompt_len == b.prompt_len
+        assert torch.equal(a.hidden, b.hidden)
+    # shards of other settings are refused, not mixed in
+    with pytest.raises(ValueError, match="other prompts or --max-new-tokens"):
+        shards.load(prompts, 9)
+    with pytest.raises(ValueError, match="other prompts or --max-new-tokens"):
+        shards.load(mtp_prompts.training_prompts(12)[2:], 8)
+    shards.clear()
+    assert shards.files() == []
 
 
 def _train_inputs(
