@@ -176,7 +176,7 @@ def test_bench_offline_rejects_bad_peers(args: list[str], message: str) -> None:
     ("args", "message"),
     [
         (["--holdout", "100"], "--holdout must be in [1, 64], got 100"),
-        (["--num-prompts", "0"], "--num-prompts must be in [1, 7942], got 0"),
+        (["--num-prompts", "0"], "--num-prompts must be in [1, 15884], got 0"),
     ],
 )
 def test_train_mtp_rejects_bad_counts(tmp_path: Path, args: list[str], message: str) -> None:

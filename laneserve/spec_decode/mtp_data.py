@@ -135,6 +135,9 @@ class ShardDir:
             done = end
         return samples, done
 
+    def file(self, first: int, end: int) -> Path:
+        return self.path / f"{self.name}-{first:06d}-{end:06d}.pt"
+
     def save(
         self,
         first: int,
@@ -142,15 +145,70 @@ class ShardDir:
         max_new_tokens: int,
         samples: list[Sample],
     ) -> None:
-        f = self.path / f"{self.name}-{first:06d}-{first + len(prompts):06d}.pt"
-        d = {
-            "prompts": [list(p) for p in prompts],
-            "max_new_tokens": max_new_tokens,
-            "samples": [s.__dict__ for s in samples],
-        }
-        torch.save(d, f.with_suffix(".tmp"))
-        f.with_suffix(".tmp").replace(f)  # a shard is complete or absent
+        write_data(self.file(first, first + len(prompts)), prompts, max_new_tokens, samples)
 
     def clear(self) -> None:
         for _, _, f in self.files():
             f.unlink()
+
+
+def write_data(
+    f: Path, prompts: list[tuple[str, bool]], max_new_tokens: int, samples: list[Sample]
+) -> None:
+    """Samples with the prompts and setting they were generated for (a shard or a data file)."""
+    d = {
+        "prompts": [list(p) for p in prompts],
+        "max_new_tokens": max_new_tokens,
+        "samples": [s.__dict__ for s in samples],
+    }
+    torch.save(d, f.with_suffix(".tmp"))
+    f.with_suffix(".tmp").replace(f)  # complete or absent
+
+
+def collect(
+    llm,
+    path: Path,
+    prompts: list[tuple[str, bool]],
+    max_new_tokens: int,
+    batch: int,
+    name: str,
+    resume: bool,
+) -> list[Sample]:
+    """The `name` data file `path` for these prompts: generated (batches saved as shards
+    beside it), or with `resume` read back, or extended if it holds a start of the prompts."""
+    shards = ShardDir(path.parent, name)
+    if resume and path.exists():
+        found = _resume_file(path, prompts, max_new_tokens, shards)
+        if found is not None:
+            return found
+    elif not resume:
+        shards.clear()  # a fresh run: no batch of an earlier one
+    desc = f"generating {name} data (self-distillation)"
+    samples = generate_samples(llm, prompts, max_new_tokens, batch, desc, shards)
+    write_data(path, prompts, max_new_tokens, samples)
+    shards.clear()  # now in `path`
+    return samples
+
+
+def _resume_file(
+    path: Path, prompts: list[tuple[str, bool]], max_new_tokens: int, shards: ShardDir
+) -> list[Sample] | None:
+    """The file's samples if it holds these prompts; None once a file holding a start of
+    them has become the first shard (generation then makes only the rest)."""
+    d = torch.load(path)
+    if isinstance(d, list):  # written before data files recorded their prompts
+        log.info("resumed %s data: %d sequences (no record of its prompts)", shards.name, len(d))
+        return [Sample(**s) for s in d]
+    have = d["prompts"]
+    want = [list(p) for p in prompts]
+    if d["max_new_tokens"] != max_new_tokens or have != want[: len(have)]:
+        raise ValueError(
+            f"{path} was generated for other prompts or --max-new-tokens; "
+            "remove it (or run without --resume)"
+        )
+    if len(have) == len(want):
+        log.info("resumed %s data: %d sequences", shards.name, len(d["samples"]))
+        return [Sample(**s) for s in d["samples"]]
+    log.info("extending %s: it holds %d of %d prompts", path, len(have), len(want))
+    path.replace(shards.file(0, len(have)))
+    return None

@@ -2,9 +2,11 @@
 
 Training prompts are chat instructions (templates x topics) and raw-text
 openings, shuffled with a fixed seed so that any prefix covers every template
-and topic. Held-out prompts share neither a topic nor a template with them:
-the trainer's held-out accuracy estimates acceptance on prompts the head never
-saw. The benchmarks' chat prompts are kept out of both (no near-duplicates).
+and topic. The mix over `MORE_TOPICS` follows the one over `TOPICS`, so a run
+with more prompts extends the data of a run with fewer instead of reshuffling it.
+Held-out prompts share neither a topic nor a template with them: the trainer's
+held-out accuracy estimates acceptance on prompts the head never saw. The
+benchmarks' chat prompts are kept out of both (no near-duplicates).
 """
 
 from __future__ import annotations
@@ -48,6 +50,45 @@ TOPICS = [
     "the Silk Road", "the pyramids", "medieval knights", "windmills", "skyscrapers",
     "plastic pollution", "clean water", "bacteria", "the eye", "bones", "exercise",
     "happiness", "kindness", "habits", "curiosity", "birthdays", "holidays", "weddings",
+]  # fmt: skip
+# Appended after the first mix (never interleaved), so that a prefix of the list, and with
+# it any saved generation data, stays the same when topics are added.
+MORE_TOPICS = [
+    "canoes", "coral reefs", "deserts", "sand dunes", "the printing press", "lemons",
+    "submarines", "helicopters", "geysers", "icebergs", "jellyfish", "seahorses", "crabs",
+    "lobsters", "starfish", "otters", "beavers", "squirrels", "hedgehogs", "peacocks", "bats",
+    "camels", "giraffes", "zebras", "gorillas", "pandas", "polar bears", "eagles",
+    "hummingbirds", "flamingos", "snails", "earthworms", "ladybugs", "dragonflies",
+    "carrots", "salmon", "the Sahara", "the Alps", "the Andes", "the Mississippi River",
+    "the Grand Canyon", "the Dead Sea", "Iceland", "Japan", "Australia", "Venice",
+    "ancient Greece", "ancient China", "the Aztecs", "the Inca", "the Mayan calendar",
+    "samurai", "the Cold War", "the space race", "the Titanic", "Stonehenge", "the Colosseum",
+    "the Eiffel Tower", "the Statue of Liberty", "the telephone", "the radio", "television",
+    "the light bulb", "steam engines", "the wheel", "paper", "glassblowing", "woodworking",
+    "blacksmithing", "weaving", "sewing", "embroidery", "calligraphy", "sculpture", "jazz",
+    "hip hop", "classical music", "drums", "the flute", "choirs", "ballet", "salsa dancing",
+    "circuses", "puppets", "podcasts", "newspapers", "documentaries", "animation",
+    "science fiction", "mystery novels", "folk tales", "Norse mythology", "superheroes",
+    "bookshops", "postcards", "stamp collecting", "coins", "bonsai trees", "orchids",
+    "sunflowers", "tulips", "herbs", "compost", "greenhouses", "irrigation", "vineyards",
+    "olive oil", "pasta", "sushi", "tacos", "curry", "noodles", "dumplings", "ice cream",
+    "apples", "bananas", "potatoes", "corn", "beans", "eggs", "yogurt", "fermentation",
+    "barbecue", "street food", "picnics", "marbles", "posture", "stretching", "cycling",
+    "skiing", "surfing", "rock climbing", "skateboarding", "martial arts", "baseball",
+    "cricket", "golf", "volleyball", "table tennis", "sailing", "scuba diving",
+    "bird watching", "stargazing", "microscopes", "the speed of light", "friction", "steam",
+    "static electricity", "nuclear energy", "hydropower", "geothermal energy",
+    "semiconductors", "operating systems", "search engines", "email", "video calls",
+    "virtual reality", "drones", "self-driving cars", "blockchain", "computer viruses",
+    "the keyboard", "smart homes", "smartwatches", "electric scooters", "highways",
+    "traffic lights", "airports", "harbors", "fire stations", "hospitals", "nurses",
+    "dentists", "pharmacies", "farmers markets", "supermarkets", "restaurants", "hotels",
+    "tourism", "electronic waste", "air pollution", "deforestation", "endangered species",
+    "wetlands", "grasslands", "the tundra", "monsoons", "droughts", "floods", "wildfires",
+    "fog", "the northern lights", "eclipses", "meteor showers", "Saturn", "Venus",
+    "the Milky Way", "asteroids", "the International Space Station", "gratitude", "patience",
+    "honesty", "creativity", "boredom", "homesickness", "childhood", "siblings", "neighbors",
+    "family dinners",
 ]  # fmt: skip
 TEMPLATES = [
     "Explain {t} to a ten-year-old.",
@@ -108,20 +149,24 @@ HELDOUT_TEMPLATES = [
 
 
 def training_prompts(limit: int) -> list[tuple[str, bool]]:
-    """(text, is_chat) pairs: chat instructions and raw-text openings, mixed and shuffled."""
-    rng = random.Random(0)
-    chat = [(tpl.format(t=t), True) for tpl, t in itertools.product(TEMPLATES, TOPICS)]
-    raw = [(o.format(t=t), False) for o, t in itertools.product(OPENINGS, TOPICS)]
+    """(text, is_chat) pairs: chat instructions and raw-text openings, mixed and shuffled;
+    the mix over `TOPICS` first, then the one over `MORE_TOPICS`."""
+    return (_mix(TOPICS, seed=0) + _mix(MORE_TOPICS, seed=1))[:limit]
+
+
+def _mix(topics: list[str], seed: int) -> list[tuple[str, bool]]:
+    rng = random.Random(seed)
+    chat = [(tpl.format(t=t), True) for tpl, t in itertools.product(TEMPLATES, topics)]
+    raw = [(o.format(t=t), False) for o, t in itertools.product(OPENINGS, topics)]
     rng.shuffle(chat)
     rng.shuffle(raw)
     groups = [chat[i : i + CHAT_PER_RAW] for i in range(0, len(chat), CHAT_PER_RAW)]
-    mixed = [
+    return [
         p
         for group, opening in itertools.zip_longest(groups, raw)
         for p in (*(group or ()), opening)
         if p is not None
     ]
-    return mixed[:limit]
 
 
 def heldout_prompts(limit: int) -> list[tuple[str, bool]]:

@@ -15,7 +15,8 @@ those positions and leaves the head's capacity to the rest).
 
 Resumable: data and checkpoints live in `<out>.work/`; `--resume` continues
 from the last checkpoint, or, if generation was interrupted, from its last saved
-batch (`mtp_data.ShardDir`). The export is bf16 safetensors with DeepSeek-V3
+batch (`mtp_data.ShardDir`); with a larger `--num-prompts` it extends the saved data
+(the prompt list only grows at its end) and trains afresh on the whole. The export is bf16 safetensors with DeepSeek-V3
 names (`model.layers.{L}.*`) plus `draft_vocab`, and metadata recording how
 it was trained, its top-1 accuracy on sequences from held-out prompts (topics
 and templates the training prompts do not use; = greedy k=1 acceptance there)
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from laneserve.config import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN
-from laneserve.spec_decode.mtp_data import Sample, ShardDir, generate_samples
+from laneserve.spec_decode.mtp_data import Sample, collect
 from laneserve.spec_decode.mtp_module import MtpTrainModule
 from laneserve.spec_decode.mtp_prompts import heldout_prompts, training_prompts
 
@@ -101,8 +102,13 @@ def run(ns: argparse.Namespace) -> int:
         enable_prefix_caching=False,
         max_num_seqs=ns.gen_batch,
     )
-    samples = _data(llm, work / "data.pt", training_prompts(ns.num_prompts), ns, "training")
-    held = _data(llm, work / "heldout.pt", heldout_prompts(ns.holdout), ns, "held-out")
+    args = (ns.max_new_tokens, ns.gen_batch)
+    samples = collect(
+        llm, work / "data.pt", training_prompts(ns.num_prompts), *args, "training", ns.resume
+    )
+    held = collect(
+        llm, work / "heldout.pt", heldout_prompts(ns.holdout), *args, "held-out", ns.resume
+    )
     gen_s = time.perf_counter() - start
     worker = llm.engine.client.worker
     module = MtpTrainModule.from_base(worker.ckpt, worker.model)
@@ -145,23 +151,6 @@ def _check_counts(ns: argparse.Namespace) -> None:
         raise ValueError(f"--num-prompts must be in [1, {most_train}], got {ns.num_prompts}")
     if not 1 <= ns.holdout <= most_held:
         raise ValueError(f"--holdout must be in [1, {most_held}], got {ns.holdout}")
-
-
-def _data(
-    llm: object, path: Path, prompts: list[tuple[str, bool]], ns: argparse.Namespace, name: str
-) -> list[Sample]:
-    if ns.resume and path.exists():
-        samples = [Sample(**d) for d in torch.load(path)]
-        log.info("resumed %s data: %d sequences", name, len(samples))
-        return samples
-    shards = ShardDir(path.parent, name)
-    if not ns.resume:
-        shards.clear()  # a fresh run: no batch of an earlier one
-    desc = f"generating {name} data (self-distillation)"
-    samples = generate_samples(llm, prompts, ns.max_new_tokens, ns.gen_batch, desc, shards)
-    torch.save([s.__dict__ for s in samples], path)
-    shards.clear()  # now in `path`
-    return samples
 
 
 def _num_targets(s: Sample) -> int:
@@ -252,8 +241,15 @@ def train_loop(
     total = max(1, int(steps_per_epoch * ns.epochs))
     step = 0
     ckpt = work / "checkpoint.pt"
-    if ns.resume and ckpt.exists():
-        state = torch.load(ckpt)
+    state = torch.load(ckpt) if ns.resume and ckpt.exists() else None
+    if state is not None and state.get("sequences", len(train)) != len(train):
+        log.info(
+            "checkpoint was for %d sequences, not %d: training from the start",
+            state["sequences"],
+            len(train),
+        )
+        state = None
+    if state is not None:
         module.load_state_dict(state["module"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
@@ -287,7 +283,8 @@ def train_loop(
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if step % 50 == 0 or step == total:
-            torch.save({"module": module.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+            saved = {"module": module.state_dict(), "opt": opt.state_dict(), "step": step}
+            torch.save({**saved, "sequences": len(train)}, ckpt)
     bar.close()
 
 

@@ -3,6 +3,7 @@ and `laneserve train-mtp` produces a loadable head (tiny model, a few steps)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from laneserve.model.llama import LlamaModel
 from laneserve.model.loader import WeightStore, resolve_checkpoint
 from laneserve.model.mtp import load_mtp_head
 from laneserve.spec_decode import mtp_prompts
-from laneserve.spec_decode.mtp_data import ShardDir, generate_samples
+from laneserve.spec_decode.mtp_data import Sample, ShardDir, collect, generate_samples
 from laneserve.spec_decode.mtp_module import MtpTrainModule
 from laneserve.spec_decode.train_mtp import distill_loss, lookup_covered
 
@@ -87,8 +88,17 @@ def test_train_mtp_cli_resumes_and_produces_a_working_head(
     assert (
         again.returncode == 0
         and "resumed training data" in again.stderr
-        and "resumed training" in again.stderr
+        and "resumed training at step" in again.stderr
     )
+    # more prompts: the saved data grows, and the old checkpoint is not resumed
+    more = subprocess.run(
+        [*cmd[:-8], *again_args[:-1], "--num-prompts", "20", "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "holds 16 of 20 prompts" in more.stderr and "training from the start" in more.stderr
     with LLM(
         str(tiny_models["qwen3"]),
         dtype="float32",
@@ -108,13 +118,7 @@ def test_interrupted_generation_resumes_from_its_saved_batches(
     """An interrupted data generation keeps its finished batches; resuming generates only
     the rest, and the data equal an uninterrupted run's."""
     prompts = mtp_prompts.training_prompts(10)
-    with LLM(
-        str(tiny_models["qwen3"]),
-        dtype="float32",
-        async_scheduling=False,
-        enable_prefix_caching=False,
-        max_num_seqs=4,
-    ) as llm:
+    with _generation_llm(tiny_models) as llm:
         whole = generate_samples(llm, prompts, 8, 4, "whole")
         shards = ShardDir(tmp_path, "training")
         real, calls = llm.generate, []
@@ -132,10 +136,7 @@ def test_interrupted_generation_resumes_from_its_saved_batches(
         calls.clear()
         resumed = generate_samples(llm, prompts, 8, 4, "resumed", shards)
         assert calls == [2]  # only the last two prompts were generated again
-    assert len(resumed) == len(whole) > 0
-    for a, b in zip(resumed, whole, strict=True):
-        assert a.tokens == b.tokens and a.prompt_len == b.prompt_len
-        assert torch.equal(a.hidden, b.hidden)
+    _assert_same_samples(resumed, whole)
     # shards of other settings are refused, not mixed in
     with pytest.raises(ValueError, match="other prompts or --max-new-tokens"):
         shards.load(prompts, 9)
@@ -143,6 +144,56 @@ def test_interrupted_generation_resumes_from_its_saved_batches(
         shards.load(mtp_prompts.training_prompts(12)[2:], 8)
     shards.clear()
     assert shards.files() == []
+
+
+def test_resume_with_more_prompts_extends_the_saved_data(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A finished data file for the first prompts is kept and only the rest generated; the
+    result equals a fresh run's. A file made for other settings is refused."""
+    prompts = mtp_prompts.training_prompts(10)
+    path = tmp_path / "data.pt"
+    with _generation_llm(tiny_models) as llm:
+        whole = collect(llm, tmp_path / "whole.pt", prompts, 8, 4, "whole", resume=False)
+        collect(llm, path, prompts[:6], 8, 4, "training", resume=False)
+        real, calls = llm.generate, []
+
+        def generate(*args: object, **kwargs: object) -> object:
+            calls.append(len(args[0]))
+            return real(*args, **kwargs)
+
+        llm.generate = generate
+        grown = collect(llm, path, prompts, 8, 4, "training", resume=True)
+        assert calls == [4]  # only the 4 new prompts
+        again = collect(llm, path, prompts, 8, 4, "training", resume=True)
+        assert calls == [4]  # read back: nothing generated
+    _assert_same_samples(grown, whole)
+    _assert_same_samples(again, whole)
+    assert not list(tmp_path.glob("training-*"))  # the shards went into data.pt
+    for other, max_new in ((prompts, 9), (prompts[1:], 8), (prompts[:5], 8)):
+        with pytest.raises(ValueError, match="other prompts or --max-new-tokens"):
+            collect(None, path, other, max_new, 4, "training", resume=True)
+    # a data file written before files recorded their prompts is read as it is
+    torch.save([s.__dict__ for s in whole], tmp_path / "old.pt")
+    _assert_same_samples(collect(None, tmp_path / "old.pt", [], 8, 4, "old", resume=True), whole)
+
+
+def _generation_llm(tiny_models: dict[str, Path]) -> LLM:
+    """The engine as `train-mtp` sets it up for generation, on the tiny Qwen3."""
+    return LLM(
+        str(tiny_models["qwen3"]),
+        dtype="float32",
+        async_scheduling=False,
+        enable_prefix_caching=False,
+        max_num_seqs=4,
+    )
+
+
+def _assert_same_samples(got: list[Sample], want: list[Sample]) -> None:
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want, strict=True):
+        assert a.tokens == b.tokens and a.prompt_len == b.prompt_len
+        assert torch.equal(a.hidden, b.hidden)
 
 
 def _train_inputs(
@@ -183,16 +234,37 @@ def test_soft_distillation_targets_the_next_position(tiny_models: dict[str, Path
 def test_prompt_sets_are_disjoint() -> None:
     """Held-out prompts share no topic or template with training; the benchmarks' chat
     prompts are not training prompts."""
-    assert not set(mtp_prompts.TOPICS) & set(mtp_prompts.HELDOUT_TOPICS)
+    topics, more = set(mtp_prompts.TOPICS), set(mtp_prompts.MORE_TOPICS)
+    assert not (topics | more) & set(mtp_prompts.HELDOUT_TOPICS)
+    assert not topics & more
     assert not set(mtp_prompts.TEMPLATES) & set(mtp_prompts.HELDOUT_TEMPLATES)
     train = {text for text, _ in mtp_prompts.training_prompts(10**9)}
     assert len(train) == len(mtp_prompts.training_prompts(10**9))
     assert not train & {text for text, _ in mtp_prompts.heldout_prompts(10**9)}
-    for bench in ("Explain why the sky is blue.", "Write a short story about a lighthouse keeper."):
+    benches = (
+        "Explain why the sky is blue.",
+        "Write a short story about a lighthouse keeper.",
+        "Explain glaciers to a ten-year-old.",  # free chat in benchmarks/mtp_acceptance.py
+        "Why is sleep important?",
+    )
+    for bench in benches:
         assert bench not in train
     # any prefix mixes chat and raw text and spreads over the templates
     first = mtp_prompts.training_prompts(200)
     assert {chat for _, chat in first} == {True, False}
+
+
+def test_added_topics_leave_the_earlier_prompts_in_place() -> None:
+    """Saved generation data (shards, `data.pt`) stays valid: the prompts over `TOPICS`
+    come first and are the same list as before `MORE_TOPICS` was added."""
+    first = len(mtp_prompts.TOPICS) * (len(mtp_prompts.TEMPLATES) + len(mtp_prompts.OPENINGS))
+    prompts = mtp_prompts.training_prompts(10**9)
+    digest = hashlib.sha256(json.dumps(prompts[:first]).encode()).hexdigest()
+    assert (first, digest[:16]) == (7942, "597b989fb1d4779e")
+    forms = mtp_prompts.TEMPLATES + mtp_prompts.OPENINGS
+    built = {f.format(t=t) for f in forms for t in mtp_prompts.TOPICS}
+    assert {text for text, _ in prompts[:first]} == built
+    assert not built & {text for text, _ in prompts[first:]}
 
 
 def test_lookup_covered_matches_the_lookup_kernel() -> None:
