@@ -15,8 +15,9 @@ those positions and leaves the head's capacity to the rest).
 
 Resumable: data and checkpoints live in `<out>.work/`; `--resume` continues
 from the last checkpoint, or, if generation was interrupted, from its last saved
-batch (`mtp_data.ShardDir`); with a larger `--num-prompts` it extends the saved data
-(the prompt list only grows at its end) and trains afresh on the whole. The export is bf16 safetensors with DeepSeek-V3
+batch (`mtp_data.ShardDir`); with a larger `--num-prompts` it extends the saved
+data (the prompt list only grows at its end) and trains afresh on the whole.
+The export is bf16 safetensors with DeepSeek-V3
 names (`model.layers.{L}.*`) plus `draft_vocab`, and metadata recording how
 it was trained, its top-1 accuracy on sequences from held-out prompts (topics
 and templates the training prompts do not use; = greedy k=1 acceptance there)
