@@ -124,13 +124,7 @@ class ShardDir:
             if first != done:
                 break
             d = torch.load(f)
-            if d["prompts"] != [list(p) for p in prompts[first:end]] or (
-                d["max_new_tokens"] != max_new_tokens
-            ):
-                raise ValueError(
-                    f"{f} was generated for other prompts or --max-new-tokens; "
-                    "remove it (or run without --resume)"
-                )
+            _check_made_for(f, d, prompts[first:end], max_new_tokens)
             samples += [Sample(**s) for s in d["samples"]]
             done = end
         return samples, done
@@ -150,6 +144,15 @@ class ShardDir:
     def clear(self) -> None:
         for _, _, f in self.files():
             f.unlink()
+
+
+def _check_made_for(f: Path, d: dict, prompts: list[tuple[str, bool]], max_new_tokens: int) -> None:
+    """Refuse data (a shard or a data file) generated for other prompts or settings."""
+    if d["prompts"] != [list(p) for p in prompts] or d["max_new_tokens"] != max_new_tokens:
+        raise ValueError(
+            f"{f} was generated for other prompts or --max-new-tokens; "
+            "remove it (or run without --resume)"
+        )
 
 
 def write_data(
@@ -199,16 +202,11 @@ def _resume_file(
     if isinstance(d, list):  # written before data files recorded their prompts
         log.info("resumed %s data: %d sequences (no record of its prompts)", shards.name, len(d))
         return [Sample(**s) for s in d]
-    have = d["prompts"]
-    want = [list(p) for p in prompts]
-    if d["max_new_tokens"] != max_new_tokens or have != want[: len(have)]:
-        raise ValueError(
-            f"{path} was generated for other prompts or --max-new-tokens; "
-            "remove it (or run without --resume)"
-        )
-    if len(have) == len(want):
+    have = len(d["prompts"])
+    _check_made_for(path, d, prompts[:have], max_new_tokens)  # also if it holds more
+    if have == len(prompts):
         log.info("resumed %s data: %d sequences", shards.name, len(d["samples"]))
         return [Sample(**s) for s in d["samples"]]
-    log.info("extending %s: it holds %d of %d prompts", path, len(have), len(want))
-    path.replace(shards.file(0, len(have)))
+    log.info("extending %s: it holds %d of %d prompts", path, have, len(prompts))
+    path.replace(shards.file(0, have))
     return None
