@@ -6,7 +6,14 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from laneserve.entrypoints import bench_offline, bench_serve, chat, profile_cmd, serve
+    from laneserve.entrypoints import (
+        bench_offline,
+        bench_serve,
+        cache_cmd,
+        chat,
+        profile_cmd,
+        serve,
+    )
     from laneserve.spec_decode import train_mtp
 
     bench = sub.add_parser(
@@ -20,3 +27,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     train_mtp.add_parser(sub)
     serve.add_parser(sub)
     chat.add_parser(sub)
+    cache_cmd.add_parser(sub)
