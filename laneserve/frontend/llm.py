@@ -10,6 +10,7 @@ from tqdm import tqdm
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
 from laneserve.frontend.output_processor import RequestState, completion_output, request_metrics
+from laneserve.log_setup import show_progress_logs
 from laneserve.outputs import RequestOutput
 from laneserve.sampling_params import SamplingParams
 
@@ -22,6 +23,7 @@ class LLM:
     `async_scheduling`, `speculative_config`, ...)."""
 
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
+        show_progress_logs()
         args = EngineArgs.from_kwargs({"model": model, **kwargs})
         self.engine = LLMEngine(args.create_config())
         self._ids = itertools.count()
