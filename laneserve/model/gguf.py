@@ -8,6 +8,7 @@ transformers builds from the GGUF metadata. Later starts load the directory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from laneserve.model.arch import GGUF_ARCHITECTURES, SUPPORTED_ARCHITECTURES, UnsupportedModelError
+from laneserve.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -46,25 +48,36 @@ _TOP_NAMES = {
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def cache_root() -> Path:
-    env = os.environ.get("LANESERVE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "laneserve"
+def content_key(path: Path, sample_bytes: int = 1 << 20, samples: int = 8) -> str:
+    """A key for the file's content, not its name or mtime: the size and a hash of the
+    header and of evenly spaced samples (a reinstall of the same file keeps its key)."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        for i in range(samples + 1):
+            f.seek(0 if i == 0 else size * i // (samples + 1))
+            h.update(f.read(sample_bytes))
+    return h.hexdigest()[:16]
 
 
 def converted_dir(gguf_path: Path, dtype: torch.dtype) -> Path:
-    """The cache directory for this file and dtype, converting it if needed."""
-    st = gguf_path.stat()
+    """The cache directory for this file's content and dtype, converting it if needed."""
     dtype_name = str(dtype).removeprefix("torch.")
-    key = f"{gguf_path.stem}-{st.st_size}-{int(st.st_mtime)}-{dtype_name}-v{_CONVERSION_VERSION}"
+    key = f"{gguf_path.stem}-{content_key(gguf_path)}-{dtype_name}-v{_CONVERSION_VERSION}"
     out = cache_root() / "gguf" / key
     if (out / "complete").exists():
         return out
+    remove_stale_partials(out.parent)
     log.info("converting %s to %s safetensors (first start only) -> %s", gguf_path, dtype_name, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     start = time.perf_counter()
-    _convert(gguf_path, tmp, dtype)
+    try:
+        _convert(gguf_path, tmp, dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     (tmp / "complete").write_text("ok\n")
     if out.exists():  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
@@ -72,6 +85,28 @@ def converted_dir(gguf_path: Path, dtype: torch.dtype) -> Path:
         tmp.rename(out)
     log.info("converted in %.1f s", time.perf_counter() - start)
     return out
+
+
+def remove_stale_partials(folder: Path) -> list[Path]:
+    """Delete conversions left half-done by a process that no longer runs."""
+    removed = []
+    for tmp in folder.glob("*.tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[1]
+        if pid.isdigit() and _alive(int(pid)):
+            continue  # another process is converting right now
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _convert(path: Path, out: Path, dtype: torch.dtype) -> None:

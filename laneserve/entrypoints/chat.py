@@ -1,0 +1,112 @@
+"""`laneserve chat`: an interactive terminal chat that streams the reply.
+
+The conversation is kept and sent again with each turn (the prefix cache makes the
+repeated part cheap). `/reset` starts over, `/exit` (or Ctrl-D) leaves, and Ctrl-C
+during a reply stops that reply and keeps the chat open.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from types import FrameType
+from typing import TextIO
+
+from laneserve.engine_args import EngineArgs
+
+HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D); Ctrl-C stops a reply"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="interactive chat in the terminal, streaming the replies")
+    p.add_argument("--system", default=None, help="a system message that opens the conversation")
+    p.add_argument("--max-tokens", type=int, default=512, help="reply limit (default: 512)")
+    p.add_argument("--temperature", type=float, default=0.7, help="default: 0.7 (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=0.9, help="default: 0.9")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="reply until --max-tokens (for benchmarking)"
+    )
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run_chat)
+
+
+class StopFlag:
+    """Set by SIGINT while a reply streams, so the reply ends between engine steps
+    (a KeyboardInterrupt in the middle of a step could leave a step half sent)."""
+
+    def __init__(self) -> None:
+        self.set = False
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        self.set = True
+
+
+def run_chat(ns: argparse.Namespace) -> int:
+    from laneserve import LLM, SamplingParams
+
+    args = EngineArgs.from_cli(ns)
+    params = SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        ignore_eos=ns.ignore_eos,
+        seed=ns.seed if ns.temperature > 0 else None,
+    )
+    llm = LLM(**vars(args))
+    try:
+        return chat_loop(llm, params, ns.system, sys.stdin, sys.stdout)
+    finally:
+        llm.shutdown()
+
+
+def chat_loop(llm, params, system: str | None, stdin: TextIO, stdout: TextIO) -> int:
+    """Read a line, stream the reply, repeat. Returns the exit code."""
+    opening = [{"role": "system", "content": system}] if system else []
+    history = list(opening)
+    print(f"laneserve chat — {HELP}", file=stdout, flush=True)
+    while True:
+        print("\n>>> ", end="", file=stdout, flush=True)
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            print(file=stdout)
+            continue
+        if not line:  # Ctrl-D
+            print(file=stdout)
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = list(opening)
+            print("(conversation cleared)", file=stdout, flush=True)
+            continue
+        if text.startswith("/"):
+            print(f"unknown command {text!r}; {HELP}", file=stdout, flush=True)
+            continue
+        history.append({"role": "user", "content": text})
+        reply, stopped = _stream_reply(llm, history, params, stdout)
+        history.append({"role": "assistant", "content": reply})
+        if stopped:
+            print("\n(stopped)", file=stdout, flush=True)
+
+
+def _stream_reply(llm, history: list[dict], params, stdout: TextIO) -> tuple[str, bool]:
+    """Stream one reply; (its text, whether Ctrl-C stopped it)."""
+    flag = StopFlag()
+    previous = signal.signal(signal.SIGINT, flag.handler)
+    parts: list[str] = []
+    try:
+        with llm.stream(llm.chat_prompt(history), params) as stream:
+            for piece in stream:
+                parts.append(piece)
+                print(piece, end="", file=stdout, flush=True)
+                if flag.set:
+                    break  # leaving the with block aborts the request
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    print(file=stdout, flush=True)
+    return "".join(parts), flag.set
