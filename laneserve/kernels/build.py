@@ -138,9 +138,9 @@ def linear_isa() -> str:
     return want or ("avx512" if has_512 else "avx2")
 
 
-def read_sources() -> dict[str, str]:
-    """File name -> text of every source and header of the extension."""
-    return {p.name: p.read_text(encoding="utf-8") for p in (*SOURCES, *HEADERS)}
+def read_sources(directory: Path = KERNEL_DIR) -> dict[str, str]:
+    """File name -> text of every source and header of the extension in ``directory``."""
+    return {p.name: (directory / p.name).read_text(encoding="utf-8") for p in (*SOURCES, *HEADERS)}
 
 
 def extension_name(files: Mapping[str, str]) -> str:
