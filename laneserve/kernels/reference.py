@@ -277,7 +277,7 @@ class TorchKernels:
         if (found is None) != (num is None):
             raise ValueError("write_drafts: found and num go together")
         first, count = chain, torch.full_like(slots, k)
-        if found is not None:
+        if found is not None and num is not None:  # both or neither (checked above)
             hit = num > 0
             first = torch.where(hit[:, None], found, chain)
             count = torch.where(hit, num, count)
