@@ -22,7 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from laneserve.kernels import CpuKernels, PackedWeight, TorchKernels, load_kernels
+from laneserve.kernels import CpuKernels, Kernels, PackedWeight, TorchKernels, load_kernels
 
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
 HQ, HK, HEAD_DIM = 9, 3, 64
@@ -178,7 +178,7 @@ class Layer:
     v_cache: torch.Tensor
 
 
-def build_model(kern: CpuKernels | TorchKernels, dtype: torch.dtype, batch: int, ctx: int):
+def build_model(kern: Kernels, dtype: torch.dtype, batch: int, ctx: int):
     layers = []
     kc, vc, bt, sl = make_cache(batch, ctx + 1, torch.bfloat16)
     for _ in range(LAYERS):

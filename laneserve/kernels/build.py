@@ -1,9 +1,10 @@
-"""JIT build and load of the laneserve CPU kernels (``cpu_ops.cpp``).
+"""JIT build and load of the laneserve CPU kernels (the C++ sources beside this file).
 
-The extension is compiled with ``torch.utils.cpp_extension.load`` (ninja) into
-``$LANESERVE_CACHE_DIR/torch_extensions`` (default ``~/.cache/laneserve/torch_extensions``)
-under a name that embeds a hash of the source and flags, so an edited source gets a fresh
-build directory and an unchanged one is only re-linked-checked by ninja (~0.1 s).
+The sources (one per op family, see :data:`SOURCES`) are compiled as one extension with
+``torch.utils.cpp_extension.load`` (ninja) into ``$LANESERVE_CACHE_DIR/torch_extensions``
+(default ``~/.cache/laneserve/torch_extensions``) under a name that embeds a hash of every
+source and header and of the flags, so an edited file gets a fresh build directory and an
+unchanged set is only re-linked-checked by ninja (~0.1 s).
 
 Ops are registered with ``TORCH_LIBRARY(laneserve, ...)`` and reached as
 ``torch.ops.laneserve.<name>``; :func:`load_kernels` returns a :class:`KernelLib` handle
@@ -22,7 +23,7 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,22 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+KERNEL_DIR = Path(__file__).parent
+# Translation units of the extension, one per op family; bindings.cpp registers the ops.
+SOURCES = tuple(
+    KERNEL_DIR / name
+    for name in (
+        "linear.cpp",
+        "elementwise.cpp",
+        "attention.cpp",
+        "kv_cache.cpp",
+        "spec_ops.cpp",
+        "bindings.cpp",
+    )
+)
+# Headers the sources include: part of the build key (ninja tracks them too, but the key
+# picks the build directory, and a stale directory must never be reused).
+HEADERS = tuple(KERNEL_DIR / name for name in ("vec.h", "ops.h", "attention_tile.h"))
 DISABLE_ENV = "LANESERVE_DISABLE_KERNELS"
 CACHE_ENV = "LANESERVE_CACHE_DIR"
 ISA_ENV = "LANESERVE_KERNEL_ISA"
@@ -56,6 +72,12 @@ OPS = (
     "silu_and_mul",
     "paged_attention",
     "write_kv_cache",
+    "verify_greedy",
+    "commit_side_rows",
+    "ngram_lookup",
+    "slot_mapping",
+    "top_tokens",
+    "write_drafts",
 )
 
 
@@ -116,10 +138,19 @@ def linear_isa() -> str:
     return want or ("avx512" if has_512 else "avx2")
 
 
-def extension_name(source_text: str) -> str:
-    """Name derived from source + flags + torch version, so any change rebuilds."""
+def read_sources(directory: Path = KERNEL_DIR) -> dict[str, str]:
+    """File name -> text of every source and header of the extension in ``directory``."""
+    return {p.name: (directory / p.name).read_text(encoding="utf-8") for p in (*SOURCES, *HEADERS)}
+
+
+def extension_name(files: Mapping[str, str]) -> str:
+    """Name derived from every file (name and text) + flags + torch version, so any
+    change rebuilds. File names, not paths: the same sources anywhere share a build."""
     digest = hashlib.sha256()
-    for part in (source_text, " ".join(CFLAGS), " ".join(LDFLAGS), torch.__version__):
+    parts = [f"{name}\0{text}" for name, text in sorted(files.items())]
+    for part in (*parts, " ".join(CFLAGS), " ".join(LDFLAGS), torch.__version__):
+        # length-prefixed, so moving text across a file boundary changes the digest
+        digest.update(f"{len(part)}:".encode())
         digest.update(part.encode())
     return f"laneserve_cpu_{digest.hexdigest()[:16]}"
 
@@ -168,7 +199,7 @@ def _compile(name: str, build_dir: Path) -> str:
 
     return cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in SOURCES],
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),
         build_directory=str(build_dir),
@@ -220,7 +251,7 @@ def load_kernels() -> KernelLib | None:
         _warn_once("CPU lacks avx2/fma/f16c (or is not x86-64): using torch fallback kernels")
         return None
     isa = linear_isa()
-    name = extension_name(SOURCE.read_text(encoding="utf-8"))
+    name = extension_name(read_sources())
     lib = _build_and_load(name, str(cache_root() / name))
     return dataclasses.replace(lib, isa=isa) if lib is not None else None
 

@@ -20,9 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from laneserve.kernels import CpuKernels, TorchKernels
-
-Kernels = CpuKernels | TorchKernels
+from laneserve.kernels import Kernels  # re-exported: the model code imports it from here
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from laneserve.kernels import CpuKernels, PackedWeight, TorchKernels
-
-Kernels = CpuKernels | TorchKernels
+from laneserve.kernels import Kernels, PackedWeight
 
 
 class Linear:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from laneserve import LLM, SamplingParams
-from laneserve import kernels as kernels_mod
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
+from laneserve.kernels import weights as kernels_mod
 from laneserve.worker.model_runner import ModelRunner
 from tests.tiny_models import build_bigram_model, build_exact_mtp_head, hf_greedy
 

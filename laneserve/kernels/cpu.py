@@ -1,0 +1,196 @@
+"""The C++-backed implementation of :class:`~laneserve.kernels.base.Kernels`.
+
+:class:`CpuKernels` wraps the JIT-built extension (``torch.ops.laneserve``, sources beside
+this file, built by ``build.py``): bf16 / fp16 / fp32 / int8 weights streamed once with
+fp32 FMA accumulation; batch invariant as the protocol's module notes describe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from laneserve.kernels import weights
+from laneserve.kernels.build import KernelLib
+from laneserve.kernels.reference import TorchKernels
+from laneserve.kernels.weights import PackedWeight
+
+# Output columns per packed weight block ([ceil(N/16), K, 16] layout).
+PACK_BLOCK_N = 16
+
+LAYOUT_BLOCKED = "blocked16"  # CpuKernels: [ceil(N/16), K, 16], zero padded
+LAYOUT_BLOCKED_512 = "blocked16-avx512"  # the same; bf16 as row pairs, K padded to even
+_ISA_CODE = {"avx2": 0, "avx512": 1}  # linear.cpp kIsaAvx2 / kIsaAvx512
+_ISA_LAYOUT = {"avx2": LAYOUT_BLOCKED, "avx512": LAYOUT_BLOCKED_512}
+
+
+class CpuKernels:
+    """AVX2/FMA/F16C kernels from the C++ extension (CPU tensors, float32 activations);
+    ``linear`` has an AVX-512 variant, picked at load (``lib.isa``), with the same results.
+
+    Weights (linear) and KV caches may be float32, bfloat16 or float16; all arithmetic is
+    fp32. Batch invariant as base.py describes, except paged_attention
+    with head_dim % 8 != 0, which falls back to TorchKernels.
+    """
+
+    name = "cpu"
+
+    def __init__(self, lib: KernelLib) -> None:
+        self.lib = lib
+        ops = lib.ops
+        # Bound op handles: saves an attribute lookup chain per call on the decode path.
+        self._pack = ops.pack_linear_weight
+        self._linear = ops.linear
+        self._rms_norm = ops.rms_norm
+        self._fused_add_rms_norm = ops.fused_add_rms_norm
+        self._rotary = ops.rotary_embedding
+        self._silu_and_mul = ops.silu_and_mul
+        self._paged_attention = ops.paged_attention
+        self._write_kv_cache = ops.write_kv_cache
+        self._verify_greedy = ops.verify_greedy
+        self._commit_side_rows = ops.commit_side_rows
+        self._ngram_lookup = ops.ngram_lookup
+        self._slot_mapping = ops.slot_mapping
+        self._top_tokens = ops.top_tokens
+        self._write_drafts = ops.write_drafts
+        self._fallback = TorchKernels()
+        self.isa = lib.isa  # linear's instruction set; both give the same bits
+        self._isa = _ISA_CODE[lib.isa]
+
+    def pack_linear_weight(self, w: torch.Tensor, quantize: str | None = None) -> PackedWeight:
+        weights.check_weight(w, quantize)
+        layout = _ISA_LAYOUT[self.isa]
+        if quantize == "int8":  # int8 blocks in the fp32 layout; the scale applies per column
+            q, scale = weights.quantize_int8(w)
+            data = self._pack(q, self._isa)
+            return PackedWeight(data, w.shape[0], w.shape[1], torch.int8, layout, scale)
+        data = self._pack(w.detach(), self._isa)
+        return PackedWeight(data, w.shape[0], w.shape[1], w.dtype, layout)
+
+    def linear(
+        self,
+        x: torch.Tensor,  # [M, K] float32
+        w: PackedWeight,
+        bias: torch.Tensor | None = None,  # [N] float32
+    ) -> torch.Tensor:  # [M, N] float32
+        return self._linear(x, w.data, w.out_features, bias, self._isa, w.scale)
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [M, H] float32
+        weight: torch.Tensor,  # [H] float32
+        eps: float,
+    ) -> torch.Tensor:  # [M, H]
+        return self._rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(
+        self,
+        x: torch.Tensor,  # [M, H] float32, contiguous; overwritten with the normed output
+        residual: torch.Tensor,  # [M, H] float32, contiguous; overwritten with x + residual
+        weight: torch.Tensor,  # [H]
+        eps: float,
+    ) -> None:
+        self._fused_add_rms_norm(x, residual, weight, eps)
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        q: torch.Tensor,  # [T, Hq*D] any row stride, or [T, Hq, D]; float32, in place
+        k: torch.Tensor,  # [T, Hk*D] / [T, Hk, D]
+        head_dim: int,
+        cos_sin_cache: torch.Tensor,  # [max_pos, D] float32: cos | sin
+    ) -> None:
+        # q/k may be column slices of a fused qkv output (row stride > width): the kernel
+        # handles any row stride as long as each row's heads are contiguous.
+        self._rotary(positions, q, k, head_dim, cos_sin_cache)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [M, 2I] f32 -> [M, I]
+        return self._silu_and_mul(x)
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,  # [T, Hq, D] float32 (unit stride on D)
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D] f32 | bf16 | f16, contiguous
+        v_cache: torch.Tensor,  # same as k_cache
+        block_tables: torch.Tensor,  # [S, max_blocks] int32
+        seq_lens: torch.Tensor,  # [S] int32, keys per sequence incl. this step's tokens
+        query_start_loc: torch.Tensor,  # [S+1] int32
+        scale: float,
+        last_slot: torch.Tensor | None = None,  # [S] int64: the last key's slot (-1: table)
+    ) -> torch.Tensor:  # [T, Hq, D] float32
+        if q.shape[-1] % 8 != 0:  # the kernel vectorizes head_dim by 8
+            return self._fallback.paged_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, last_slot
+            )
+        return self._paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, last_slot
+        )
+
+    def write_kv_cache(
+        self,
+        k: torch.Tensor,  # [T, Hk, D] float32 (rows may be strided views of a qkv output)
+        v: torch.Tensor,  # [T, Hk, D] float32
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D], converted with RNE
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64, block * block_size + offset; < 0 skipped
+    ) -> None:
+        self._write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def verify_greedy(
+        self,
+        logits: torch.Tensor,  # [R * (K + 1) + R * W, V] float32
+        drafts: torch.Tensor,  # [R, K] int64
+        num_valid: torch.Tensor,  # [R] int64
+        alternatives: torch.Tensor,  # [R, W] int64
+    ) -> tuple[torch.Tensor, ...]:  # see Kernels.verify_greedy
+        return self._verify_greedy(logits, drafts, num_valid, alternatives)
+
+    def commit_side_rows(
+        self,
+        k_stack: torch.Tensor,
+        v_stack: torch.Tensor,
+        side_slots: torch.Tensor,
+        real_slot: torch.Tensor,
+        hit: torch.Tensor,
+        choice: torch.Tensor,
+        hidden: torch.Tensor,
+        side_hidden: torch.Tensor,
+        first_draft: torch.Tensor,
+    ) -> None:  # see Kernels.commit_side_rows
+        self._commit_side_rows(
+            k_stack, v_stack, side_slots, real_slot, hit, choice, hidden, side_hidden, first_draft
+        )
+
+    def ngram_lookup(
+        self,
+        history: torch.Tensor,
+        committed: torch.Tensor,
+        slots: torch.Tensor,
+        width: int,
+        k: int,
+        n_min: int,
+        n_max: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # see Kernels.ngram_lookup
+        return self._ngram_lookup(history, committed, slots, width, k, n_min, n_max)
+
+    def slot_mapping(
+        self, table: torch.Tensor, token_row: torch.Tensor, positions: torch.Tensor, block_size: int
+    ) -> torch.Tensor:  # see Kernels.slot_mapping
+        return self._slot_mapping(table, token_row, positions, block_size)
+
+    def top_tokens(
+        self, logits: torch.Tensor, n: int, vocab: torch.Tensor | None = None
+    ) -> torch.Tensor:  # see Kernels.top_tokens
+        return self._top_tokens(logits, n, vocab)
+
+    def write_drafts(
+        self,
+        drafts: torch.Tensor,
+        num_drafts: torch.Tensor,
+        side_drafts: torch.Tensor,
+        slots: torch.Tensor,
+        chain: torch.Tensor,
+        top: torch.Tensor | None = None,
+        found: torch.Tensor | None = None,
+        num: torch.Tensor | None = None,
+    ) -> None:  # see Kernels.write_drafts
+        self._write_drafts(drafts, num_drafts, side_drafts, slots, chain, top, found, num)
