@@ -18,10 +18,13 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
+import sys
+import sysconfig
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -29,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from laneserve import paths
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +100,7 @@ class KernelLib:
 
 
 def cache_root() -> Path:
-    root = os.environ.get(CACHE_ENV)
-    base = Path(root) if root else Path.home() / ".cache" / "laneserve"
-    return base / "torch_extensions"
+    return paths.cache_root() / "torch_extensions"
 
 
 def cpu_flags() -> set[str] | None:
@@ -143,11 +146,28 @@ def read_sources(directory: Path = KERNEL_DIR) -> dict[str, str]:
     return {p.name: (directory / p.name).read_text(encoding="utf-8") for p in (*SOURCES, *HEADERS)}
 
 
-def extension_name(files: Mapping[str, str]) -> str:
-    """Name derived from every file (name and text) + flags + torch version, so any
-    change rebuilds. File names, not paths: the same sources anywhere share a build."""
+def build_environment() -> dict[str, str]:
+    """What the build files record about this Python environment: the interpreter's
+    prefix and the include paths. Two virtual environments differ here, so they never
+    share (and keep rebuilding) one build directory."""
+    from torch.utils import cpp_extension
+
+    return {
+        "prefix": sys.prefix,
+        "python_include": sysconfig.get_paths()["include"],
+        "torch_include": os.pathsep.join(cpp_extension.include_paths()),
+        "torch": torch.__version__,
+    }
+
+
+def extension_name(files: Mapping[str, str], environment: Mapping[str, str] | None = None) -> str:
+    """Name derived from every file (name and text) + flags + torch version + the
+    environment's paths, so any change rebuilds. File names, not paths: the same sources
+    share a build wherever the checkout lies, within one environment."""
+    env = build_environment() if environment is None else environment
     digest = hashlib.sha256()
     parts = [f"{name}\0{text}" for name, text in sorted(files.items())]
+    parts += [f"{key}={value}" for key, value in sorted(env.items())]
     for part in (*parts, " ".join(CFLAGS), " ".join(LDFLAGS), torch.__version__):
         # length-prefixed, so moving text across a file boundary changes the digest
         digest.update(f"{len(part)}:".encode())
@@ -215,7 +235,9 @@ def _build_and_load(name: str, build_dir: str) -> KernelLib | None:
     library = path / f"{name}.so"
     first_build = not library.exists()
     if first_build:
-        logger.info("building CPU kernels (first run only, ~45s) in %s", path)
+        logger.info(
+            "building CPU kernels (%s; about 1-2 min, once) in %s", build_reason(path), path
+        )
     start = time.perf_counter()
     try:
         with _build_lock(path):
@@ -226,12 +248,54 @@ def _build_and_load(name: str, build_dir: str) -> KernelLib | None:
     elapsed = time.perf_counter() - start
     if first_build:
         logger.info("built CPU kernels in %.1fs", elapsed)
+        _write_build_info(path)
     ops = torch.ops.laneserve
     missing = [op for op in OPS if not hasattr(ops, op)]
     if missing:
         logger.warning("laneserve CPU kernels loaded without ops %s; using torch", missing)
         return None
     return KernelLib(library_path=str(lib_path), build_seconds=elapsed, ops=ops)
+
+
+BUILD_INFO = "laneserve-build.json"
+
+
+def _build_info() -> dict[str, str]:
+    sources = hashlib.sha256()
+    for name, text in sorted(read_sources().items()):
+        sources.update(f"{name}\0{text}".encode())
+    flags = " ".join((*CFLAGS, *LDFLAGS))
+    return {"sources": sources.hexdigest()[:16], "flags": flags, **build_environment()}
+
+
+def _write_build_info(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        (path / BUILD_INFO).write_text(json.dumps(_build_info(), indent=1))
+
+
+def build_reason(path: Path) -> str:
+    """Why a build starts: compared with the newest other build in the cache."""
+    others = [
+        p / BUILD_INFO
+        for p in path.parent.glob("laneserve_cpu_*")
+        if p != path and (p / BUILD_INFO).is_file()
+    ]
+    if not others:
+        return "first build on this machine"
+    newest = max(others, key=lambda f: f.stat().st_mtime)
+    try:
+        before = json.loads(newest.read_text())
+    except (OSError, ValueError):
+        return "no earlier build could be read"
+    now = _build_info()
+    changed = [key for key in now if before.get(key) != now[key]]
+    if "sources" in changed:
+        return "the kernel sources changed"
+    if any(key in changed for key in ("prefix", "python_include", "torch_include")):
+        return f"another Python environment ({sys.prefix})"
+    if changed:
+        return f"changed: {', '.join(changed)}"
+    return "the earlier build is incomplete"
 
 
 def kernels_disabled() -> bool:

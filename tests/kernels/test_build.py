@@ -217,3 +217,35 @@ def test_killed_build_does_not_block_the_next(tmp_path: Path) -> None:
     threading.Thread(target=acquire, daemon=True).start()
     assert acquired.wait(timeout=300), "the lock of a killed build was never released"
     assert not (tmp_path / "lock").exists()
+
+
+def test_build_key_covers_the_python_environment() -> None:
+    """Two virtual environments (another prefix, other include paths) never share a
+    build directory: torch's build files record the include paths, so a shared one
+    would be rebuilt by each environment in turn."""
+    files = kbuild.read_sources()
+    env = kbuild.build_environment()
+    assert env["prefix"] == sys.prefix
+    name = kbuild.extension_name(files)
+    assert kbuild.extension_name(files, env) == name
+    for key in env:
+        assert kbuild.extension_name(files, {**env, key: env[key] + "-other"}) != name, key
+
+
+def _fake_build(folder: Path, info: dict[str, str]) -> None:
+    folder.mkdir(parents=True)
+    (folder / kbuild.BUILD_INFO).write_text(__import__("json").dumps(info))
+
+
+def test_build_reason_names_what_changed(tmp_path: Path) -> None:
+    new = tmp_path / "laneserve_cpu_new"
+    assert kbuild.build_reason(new) == "first build on this machine"
+    now = kbuild._build_info()
+    _fake_build(tmp_path / "laneserve_cpu_a", {**now, "prefix": "/elsewhere/.venv"})
+    assert kbuild.build_reason(new) == f"another Python environment ({sys.prefix})"
+    _fake_build(tmp_path / "laneserve_cpu_b", {**now, "sources": "0" * 16})
+    os.utime(tmp_path / "laneserve_cpu_b" / kbuild.BUILD_INFO, (2e9, 2e9))  # the newest
+    assert kbuild.build_reason(new) == "the kernel sources changed"
+    _fake_build(tmp_path / "laneserve_cpu_c", {**now, "flags": "-O0"})
+    os.utime(tmp_path / "laneserve_cpu_c" / kbuild.BUILD_INFO, (2.1e9, 2.1e9))
+    assert kbuild.build_reason(new) == "changed: flags"
