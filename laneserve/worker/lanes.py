@@ -12,7 +12,7 @@ it back after reclaiming that step, so a slot is never refilled while its step
 can still read it.
 
 A failed stage hands on a `StepFailure` instead of its product, through the same
-queues, so the error result keeps its place in the FIFO order (see `Worker`).
+queues, so the error result keeps its place in the FIFO order (see `failures.py`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import threading
 from collections.abc import Callable
 
 from laneserve.protocol import StepCommand, StepResult
+from laneserve.worker.failures import StepFailure
 from laneserve.worker.input_batch import InputSlot
-from laneserve.worker.worker import StepFailure, Worker
+from laneserve.worker.worker import Worker
 
 _STOP = object()
 

@@ -19,7 +19,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import msgspec
 import torch
 
 from laneserve import protocol
@@ -32,12 +31,12 @@ from laneserve.model.mtp import load_mtp_head
 from laneserve.obs.profiling import Tracer
 from laneserve.protocol import (
     CacheGroupInfo,
-    RequestError,
     StepCommand,
     StepResult,
     WorkerReady,
 )
 from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
+from laneserve.worker.failures import StepFailure, failed_result, handles_of, salvage
 from laneserve.worker.input_batch import InputSlot, RequestTable, StepInputs, build_inputs
 from laneserve.worker.model_runner import DeviceOutputs, ModelRunner
 
@@ -52,17 +51,6 @@ class PendingStep:
 
     cmd: StepCommand
     new_prompts: list[tuple[int, torch.Tensor]]
-    releases: list[tuple[int, int]] = field(default_factory=list)  # (slot, gen)
-
-
-@dataclass
-class StepFailure:
-    """A step that failed in some stage, on its way through the later ones: it
-    keeps its place in the FIFO order, and its `releases` are still performed."""
-
-    step_id: int
-    handles: list[int]  # the requests it scheduled: each gets the error
-    message: str
     releases: list[tuple[int, int]] = field(default_factory=list)  # (slot, gen)
 
 
@@ -255,14 +243,14 @@ class Worker:
         try:
             cmd = item if isinstance(item, StepCommand) else protocol.decode_command(item)
         except Exception as e:
-            step_id, handles = _salvage(item)
+            step_id, handles = salvage(item)
             log.warning("malformed step command %s: %s", step_id, e)
             return StepFailure(step_id, handles, f"malformed step command: {e}")
         try:
             return self._register(cmd)
         except Exception as e:
             log.warning("malformed step command %s: %s", cmd.step_id, e)
-            return StepFailure(cmd.step_id, _handles(cmd), f"malformed step command: {e}")
+            return StepFailure(cmd.step_id, handles_of(cmd), f"malformed step command: {e}")
 
     def _register(self, cmd: StepCommand) -> PendingStep:
         with self.tracer.span("command", step=cmd.step_id):
@@ -282,7 +270,7 @@ class Worker:
             log.exception("prepare failed for step %d", step_id)
             # the requests popped before the failure are still released (device stage)
             message = f"prepare failed: {e}"
-            return StepFailure(step_id, _handles(pending.cmd), message, pending.releases)
+            return StepFailure(step_id, handles_of(pending.cmd), message, pending.releases)
 
     def _build_inputs(self, pending: PendingStep, slot: InputSlot) -> StepInputs:
         cmd = pending.cmd
@@ -320,7 +308,7 @@ class Worker:
                 self.runner.release(staged.releases)
         except Exception as e:
             log.exception("release failed for step %d", staged.step_id)
-            return StepFailure(staged.step_id, _handles(staged), f"release failed: {e}")
+            return StepFailure(staged.step_id, handles_of(staged), f"release failed: {e}")
         return out
 
     def _execute(self, inp: StepInputs) -> DeviceOutputs | StepFailure:
@@ -331,7 +319,7 @@ class Worker:
             return self.runner.execute(inp)
         except Exception as e:
             log.exception("device step %d failed", inp.step_id)
-            return StepFailure(inp.step_id, _handles(inp), f"step failed: {e}")
+            return StepFailure(inp.step_id, handles_of(inp), f"step failed: {e}")
         finally:
             end = time.perf_counter_ns()
             args = {"step": inp.step_id, "decode": not inp.prefills}
@@ -348,7 +336,7 @@ class Worker:
         except Exception as e:
             log.exception("reclaim failed for step %d", step_id)
             return failed_result(
-                StepFailure(step_id, _handles(staged.inputs), f"reclaim failed: {e}")
+                StepFailure(step_id, handles_of(staged.inputs), f"reclaim failed: {e}")
             )
 
     def shutdown(self) -> None:
@@ -360,33 +348,6 @@ class Worker:
         if not isinstance(staged, StepFailure):
             staged = self.prepare(staged, self.input_slots[0])
         return self.reclaim(self.device_step(staged))
-
-
-def failed_result(failure: StepFailure) -> StepResult:
-    """A failed step's result: every request it scheduled gets the error."""
-    errors = [RequestError(h, failure.message) for h in failure.handles]
-    return StepResult(step_id=failure.step_id, errors=errors)
-
-
-def _handles(of: StepCommand | StepInputs | StepFailure) -> list[int]:
-    if isinstance(of, StepCommand):
-        return [s.handle for s in of.scheduled]
-    if isinstance(of, StepFailure):
-        return of.handles
-    return [r.handle for r in of.rows]
-
-
-def _salvage(item: object) -> tuple[int, list[int]]:
-    """Best-effort step id and handles of a command that failed to decode."""
-    try:
-        raw = msgspec.msgpack.decode(item)
-        step_id = int(raw[0])
-    except Exception:
-        return -1, []
-    try:
-        return step_id, [int(s[0]) for s in raw[1]]
-    except Exception:
-        return step_id, []
 
 
 def _max_model_len(config: EngineConfig, ckpt: Checkpoint) -> int:
