@@ -74,17 +74,10 @@ class RequestError(msgspec.Struct, **_STRUCT):
     message: str
 
 
-class StepTiming(msgspec.Struct, **_STRUCT):
-    prepare_s: float = 0.0
-    device_s: float = 0.0
-    reclaim_s: float = 0.0
-
-
 class StepResult(msgspec.Struct, tag=True, **_STRUCT):
     step_id: int
     outputs: list[RequestOutput] = []
     errors: list[RequestError] = []
-    timing: StepTiming | None = None
 
 
 class CacheGroupInfo(msgspec.Struct, **_STRUCT):

@@ -5,43 +5,28 @@
            decode, register  deltas + inputs   forward+sample   reclaim (D2H, tokens)
                              into slot A|B     release (FIFO)   frees the slot
 ```
-Two `InputSlot`s circulate: the prepare lane takes a free one (waiting if both
-are in use), the output lane gives it back after reclaiming the step that
-used it, so a slot is never refilled while its step can still read it.
+Each lane calls one `Worker` stage; the lanes own only the threads, the queues
+and the two `InputSlot`s. The slots circulate: the prepare lane takes a free one
+(waiting if both are in use) and it travels with its step; the output lane gives
+it back after reclaiming that step, so a slot is never refilled while its step
+can still read it.
 
-Failures travel as `_Failure` items through the same queues: an error result
-keeps its place in the FIFO order and never overtakes earlier results, and the
-device lane still performs the failed step's releases.
+A failed stage hands on a `StepFailure` instead of its product, through the same
+queues, so the error result keeps its place in the FIFO order (see `failures.py`).
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import msgspec
-
-from laneserve import protocol
-from laneserve.protocol import RequestError, StepCommand, StepResult, StepTiming
+from laneserve.protocol import StepCommand, StepResult
+from laneserve.worker.failures import StepFailure
 from laneserve.worker.input_batch import InputSlot
-from laneserve.worker.model_runner import DeviceOutputs
-from laneserve.worker.worker import PendingStep, Worker
-
-log = logging.getLogger(__name__)
+from laneserve.worker.worker import Worker
 
 _STOP = object()
-
-
-@dataclass
-class _Failure:
-    step_id: int
-    handles: list[int]
-    message: str
-    slot: InputSlot | None = None
-    releases: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Lanes:
@@ -65,7 +50,7 @@ class Lanes:
         self._q_prep: queue.SimpleQueue = queue.SimpleQueue()
         self._q_dev: queue.SimpleQueue = queue.SimpleQueue()
         self._q_out: queue.SimpleQueue = queue.SimpleQueue()
-        self._free_slots: queue.SimpleQueue = queue.SimpleQueue()
+        self._free_slots: queue.SimpleQueue[InputSlot] = queue.SimpleQueue()
         self._device_idle = threading.Event()
         self._device_idle.set()
         built: queue.SimpleQueue = queue.SimpleQueue()
@@ -79,7 +64,7 @@ class Lanes:
             raise worker
         self.worker: Worker = worker
         self.async_prepare = async_prepare and worker.supports_async_prepare
-        for slot in worker.input_slots:
+        for slot in worker.input_slots:  # the worker's pair, lent to the lanes for good
             self._free_slots.put(slot)
         self._threads = [device] + [
             threading.Thread(target=fn, name=f"lane-{name}", daemon=True)
@@ -110,104 +95,39 @@ class Lanes:
             t.join(timeout)
 
     # -- lanes -----------------------------------------------------------------
+    # The queues between lanes carry (slot or None, what the last stage made).
     def _command_lane(self) -> None:
         while (item := self._q_cmd.get()) is not _STOP:
-            try:
-                cmd = item if isinstance(item, StepCommand) else protocol.decode_command(item)
-                self._q_prep.put(self.worker.command(cmd))
-            except Exception as e:
-                step_id, handles = _salvage(item)
-                log.warning("malformed step command %s: %s", step_id, e)
-                self._q_prep.put(_Failure(step_id, handles, f"malformed step command: {e}"))
+            self._q_prep.put(self.worker.command(item))
         self._q_prep.put(_STOP)
 
     def _prepare_lane(self) -> None:
-        while (item := self._q_prep.get()) is not _STOP:
-            if isinstance(item, _Failure):
-                self._q_dev.put(item)
+        while (staged := self._q_prep.get()) is not _STOP:
+            if isinstance(staged, StepFailure):
+                self._q_dev.put((None, staged))  # no slot: nothing to prepare
                 continue
             slot = self._free_slots.get()
             assert not slot.busy, f"input slot {slot.index} handed out twice"
             slot.busy = True
             if not self.async_prepare:
                 self._device_idle.wait()  # NOTE: capability fallback: prepare serially
-            self._q_dev.put(self._prepare(item, slot))
-        self._q_dev.put(_STOP)
-
-    def _prepare(self, pending: PendingStep, slot: InputSlot) -> object:
-        try:
             self._device_idle.clear()
-            return self.worker.prepare(pending, slot)
-        except Exception as e:
-            log.exception("prepare failed for step %d", pending.cmd.step_id)
-            self._give_back(slot)
-            handles = [s.handle for s in pending.cmd.scheduled]
-            return _Failure(
-                pending.cmd.step_id, handles, f"prepare failed: {e}", None, pending.releases
-            )
+            self._q_dev.put((slot, self.worker.prepare(staged, slot)))
+        self._q_dev.put(_STOP)
 
     def _device_lane(self) -> None:
         while (item := self._q_dev.get()) is not _STOP:
-            if isinstance(item, _Failure):
-                self.worker.runner.release(item.releases)
-                self._q_out.put(item)
-            else:
-                self._q_out.put(self._device(item))
+            slot, staged = item
+            self._q_out.put((slot, self.worker.device_step(staged)))
             if self._q_dev.empty():
                 self._device_idle.set()
         self._q_out.put(_STOP)
 
-    def _device(self, inp: object) -> object:
-        slot = self.worker.input_slots[inp.slot_index]
-        try:
-            return self.worker.device_step(inp)
-        except Exception as e:
-            log.exception("device step %d failed", inp.step_id)
-            return _Failure(inp.step_id, [r.handle for r in inp.rows], f"step failed: {e}", slot)
-
     def _output_lane(self) -> None:
         while (item := self._q_out.get()) is not _STOP:
-            if isinstance(item, _Failure):
-                result = StepResult(
-                    step_id=item.step_id,
-                    errors=[RequestError(h, item.message) for h in item.handles],
-                )
-                if item.slot is not None:
-                    self._give_back(item.slot)
-            else:
-                result = self._reclaim(item)
+            slot, staged = item
+            result = self.worker.reclaim(staged)
+            if slot is not None:
+                slot.busy = False
+                self._free_slots.put(slot)
             self.emit(result)
-
-    def _reclaim(self, out: DeviceOutputs) -> StepResult:
-        inp = out.inputs
-        try:
-            result = self.worker.reclaim(out)
-        except Exception as e:
-            log.exception("reclaim failed for step %d", inp.step_id)
-            result = StepResult(
-                step_id=inp.step_id,
-                errors=[RequestError(r.handle, f"reclaim failed: {e}") for r in inp.rows],
-            )
-        finally:
-            self._give_back(self.worker.input_slots[inp.slot_index])
-        result.timing = StepTiming(device_s=out.device_s)
-        return result
-
-    def _give_back(self, slot: InputSlot) -> None:
-        slot.busy = False
-        self._free_slots.put(slot)
-
-
-def _salvage(item: object) -> tuple[int, list[int]]:
-    """Best-effort step id and handles of a command that failed to decode."""
-    if isinstance(item, StepCommand):
-        return item.step_id, [s.handle for s in item.scheduled]
-    try:
-        raw = msgspec.msgpack.decode(item)
-        step_id = int(raw[0])
-    except Exception:
-        return -1, []
-    try:
-        return step_id, [int(s[0]) for s in raw[1]]
-    except Exception:
-        return step_id, []

@@ -74,7 +74,6 @@ class DeviceOutputs:
     logprobs: tuple[torch.Tensor, ...] | None  # chosen, rank, top ids, top lps per logits row
     num_drafts: torch.Tensor | None  # [Rs] real drafts verified (None: no speculation)
     errors: list[RequestError]
-    device_s: float = 0.0
 
 
 @dataclass

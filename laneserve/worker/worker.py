@@ -2,12 +2,15 @@
 runs steps as four stages that the lanes (`worker/lanes.py`) put on threads:
 
 ```
- command(cmd)  -> decode/validate, register new requests        (command lane)
+ command(item) -> decode, register new requests                 (command lane)
  prepare(cmd)  -> apply deltas, build StepInputs in a free slot  (prepare lane)
- device(inp)   -> release earlier-finished slots, forward+sample (device lane)
+ device_step   -> forward+sample, release earlier-finished slots (device lane)
  reclaim(out)  -> device->host copy, StepResult                  (output lane)
 ```
-`run_step` chains them in the caller's thread (the synchronous path).
+A stage that fails hands a `StepFailure` to the next one instead of its product;
+it travels the same path, so its releases still happen on the device stage in
+step order and its error result keeps its place. `run_step` chains the four
+stages in the caller's thread (the synchronous path).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from laneserve import protocol
 from laneserve.config import EngineConfig
 from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.kernels import get_kernels
@@ -27,13 +31,12 @@ from laneserve.model.mtp import load_mtp_head
 from laneserve.obs.profiling import Tracer
 from laneserve.protocol import (
     CacheGroupInfo,
-    RequestError,
     StepCommand,
     StepResult,
-    StepTiming,
     WorkerReady,
 )
 from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
+from laneserve.worker.failures import StepFailure, failed_result, handles_of, salvage
 from laneserve.worker.input_batch import InputSlot, RequestTable, StepInputs, build_inputs
 from laneserve.worker.model_runner import DeviceOutputs, ModelRunner
 
@@ -231,7 +234,25 @@ class Worker:
         return self.model.supports_async_prepare
 
     # -- stages --------------------------------------------------------------
-    def command(self, cmd: StepCommand) -> PendingStep:
+    # NOTE: a stage never raises (a raise would end its lane's thread): it returns
+    # its product or a StepFailure, which the later stages pass on unchanged, except
+    # that `device_step` still performs the step's releases and `reclaim` turns it into
+    # the step's error result. `run_step` and the lanes take this same path.
+    def command(self, item: StepCommand | bytes) -> PendingStep | StepFailure:
+        """Decode the command and register its new requests."""
+        try:
+            cmd = item if isinstance(item, StepCommand) else protocol.decode_command(item)
+        except Exception as e:
+            step_id, handles = salvage(item)
+            log.warning("malformed step command %s: %s", step_id, e)
+            return StepFailure(step_id, handles, f"malformed step command: {e}")
+        try:
+            return self._register(cmd)
+        except Exception as e:
+            log.warning("malformed step command %s: %s", cmd.step_id, e)
+            return StepFailure(cmd.step_id, handles_of(cmd), f"malformed step command: {e}")
+
+    def _register(self, cmd: StepCommand) -> PendingStep:
         with self.tracer.span("command", step=cmd.step_id):
             prompts = []
             for new in cmd.new_requests:
@@ -240,7 +261,18 @@ class Worker:
                 prompts.append((req.slot, ids))
             return PendingStep(cmd, prompts)
 
-    def prepare(self, pending: PendingStep, slot: InputSlot) -> StepInputs:
+    def prepare(self, pending: PendingStep, slot: InputSlot) -> StepInputs | StepFailure:
+        """Apply the command's deltas and build the step's inputs in `slot`."""
+        try:
+            return self._build_inputs(pending, slot)
+        except Exception as e:
+            step_id = pending.cmd.step_id
+            log.exception("prepare failed for step %d", step_id)
+            # the requests popped before the failure are still released (device stage)
+            message = f"prepare failed: {e}"
+            return StepFailure(step_id, handles_of(pending.cmd), message, pending.releases)
+
+    def _build_inputs(self, pending: PendingStep, slot: InputSlot) -> StepInputs:
         cmd = pending.cmd
         with self.tracer.span("prepare", step=cmd.step_id):
             # NOTE: first, so a failure below still releases them (device lane).
@@ -264,56 +296,58 @@ class Worker:
                 self.side_base,
             )
 
-    def device_step(self, inp: StepInputs) -> DeviceOutputs:
+    def device_step(self, staged: StepInputs | StepFailure) -> DeviceOutputs | StepFailure:
+        """Forward + sample; then release the requests that finished before this
+        step, whether or not this step (or an earlier stage of it) failed.
+
+        NOTE: steps reach this stage in order (one device lane), so every earlier
+        step that could still read the released state has run by then."""
+        out = staged if isinstance(staged, StepFailure) else self._execute(staged)
+        try:
+            with self.tracer.span("release", "device", step=staged.step_id):
+                self.runner.release(staged.releases)
+        except Exception as e:
+            log.exception("release failed for step %d", staged.step_id)
+            return StepFailure(staged.step_id, handles_of(staged), f"release failed: {e}")
+        return out
+
+    def _execute(self, inp: StepInputs) -> DeviceOutputs | StepFailure:
         start = time.perf_counter_ns()
         try:
             if not inp.rows:
                 return DeviceOutputs(inp, None, None, None, None, [])
-            out = self.runner.execute(inp)
-            out.device_s = (time.perf_counter_ns() - start) / 1e9
-            return out
+            return self.runner.execute(inp)
+        except Exception as e:
+            log.exception("device step %d failed", inp.step_id)
+            return StepFailure(inp.step_id, handles_of(inp), f"step failed: {e}")
         finally:
             end = time.perf_counter_ns()
-            self.tracer.add(
-                "device", "device", start, end, {"step": inp.step_id, "decode": not inp.prefills}
-            )
-            # NOTE: requests finished before this step are released after every
-            # earlier step ran (FIFO device lane), even if this step failed.
-            with self.tracer.span("release", "device", step=inp.step_id):
-                self.runner.release(inp.releases)
+            args = {"step": inp.step_id, "decode": not inp.prefills}
+            self.tracer.add("device", "device", start, end, args)
 
-    def reclaim(self, out: DeviceOutputs) -> StepResult:
-        with self.tracer.span("reclaim", step=out.inputs.step_id):
-            return self.runner.reclaim(out)
+    def reclaim(self, staged: DeviceOutputs | StepFailure) -> StepResult:
+        """The step's result: its tokens (device->host copy), or its errors."""
+        if isinstance(staged, StepFailure):
+            return failed_result(staged)
+        step_id = staged.inputs.step_id
+        try:
+            with self.tracer.span("reclaim", step=step_id):
+                return self.runner.reclaim(staged)
+        except Exception as e:
+            log.exception("reclaim failed for step %d", step_id)
+            return failed_result(
+                StepFailure(step_id, handles_of(staged.inputs), f"reclaim failed: {e}")
+            )
 
     def shutdown(self) -> None:
         self.tracer.flush()
 
-    def run_step(self, cmd: StepCommand) -> StepResult:
+    def run_step(self, item: StepCommand | bytes) -> StepResult:
         """All four stages in this thread (the synchronous path)."""
-        try:
-            pending = self.command(cmd)
-        except Exception as e:
-            return failed_step(cmd, f"malformed step command: {e}")
-        try:
-            inp = self.prepare(pending, self.input_slots[0])
-        except Exception as e:
-            self.runner.release(pending.releases)
-            return failed_step(cmd, f"prepare failed: {e}")
-        try:
-            out = self.device_step(inp)
-        except Exception as e:
-            log.exception("step %d failed", cmd.step_id)
-            return failed_step(cmd, f"step failed: {e}")
-        result = self.reclaim(out)
-        result.timing = StepTiming(device_s=out.device_s)
-        return result
-
-
-def failed_step(cmd: StepCommand, message: str) -> StepResult:
-    return StepResult(
-        step_id=cmd.step_id, errors=[RequestError(s.handle, message) for s in cmd.scheduled]
-    )
+        staged = self.command(item)
+        if not isinstance(staged, StepFailure):
+            staged = self.prepare(staged, self.input_slots[0])
+        return self.reclaim(self.device_step(staged))
 
 
 def _max_model_len(config: EngineConfig, ckpt: Checkpoint) -> int:
