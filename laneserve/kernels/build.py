@@ -147,12 +147,13 @@ def read_sources(directory: Path = KERNEL_DIR) -> dict[str, str]:
 
 
 def build_environment() -> dict[str, str]:
-    """What the build files record about this Python environment: the interpreter's
-    prefix and the include paths. Two virtual environments differ here, so they never
-    share (and keep rebuilding) one build directory."""
+    """What torch's build files record besides the sources' text: the sources' folder,
+    the interpreter's prefix and the include paths. Two checkouts or two virtual
+    environments differ here, so they never share (and keep rebuilding) one directory."""
     from torch.utils import cpp_extension
 
     return {
+        "sources_dir": str(KERNEL_DIR.resolve()),
         "prefix": sys.prefix,
         "python_include": sysconfig.get_paths()["include"],
         "torch_include": os.pathsep.join(cpp_extension.include_paths()),
@@ -162,8 +163,7 @@ def build_environment() -> dict[str, str]:
 
 def extension_name(files: Mapping[str, str], environment: Mapping[str, str] | None = None) -> str:
     """Name derived from every file (name and text) + flags + torch version + the
-    environment's paths, so any change rebuilds. File names, not paths: the same sources
-    share a build wherever the checkout lies, within one environment."""
+    environment's paths (see `build_environment`), so any change rebuilds."""
     env = build_environment() if environment is None else environment
     digest = hashlib.sha256()
     parts = [f"{name}\0{text}" for name, text in sorted(files.items())]
@@ -291,6 +291,8 @@ def build_reason(path: Path) -> str:
     changed = [key for key in now if before.get(key) != now[key]]
     if "sources" in changed:
         return "the kernel sources changed"
+    if "sources_dir" in changed:
+        return f"another checkout ({KERNEL_DIR})"
     if any(key in changed for key in ("prefix", "python_include", "torch_include")):
         return f"another Python environment ({sys.prefix})"
     if changed:

@@ -220,9 +220,9 @@ def test_killed_build_does_not_block_the_next(tmp_path: Path) -> None:
 
 
 def test_build_key_covers_the_python_environment() -> None:
-    """Two virtual environments (another prefix, other include paths) never share a
-    build directory: torch's build files record the include paths, so a shared one
-    would be rebuilt by each environment in turn."""
+    """Two checkouts or virtual environments (another sources folder, prefix or include
+    paths) never share a build directory: torch's build files record those paths, so a
+    shared one would be rebuilt by each in turn."""
     files = kbuild.read_sources()
     env = kbuild.build_environment()
     assert env["prefix"] == sys.prefix
@@ -243,6 +243,9 @@ def test_build_reason_names_what_changed(tmp_path: Path) -> None:
     now = kbuild._build_info()
     _fake_build(tmp_path / "laneserve_cpu_a", {**now, "prefix": "/elsewhere/.venv"})
     assert kbuild.build_reason(new) == f"another Python environment ({sys.prefix})"
+    _fake_build(tmp_path / "laneserve_cpu_d", {**now, "sources_dir": "/elsewhere/kernels"})
+    os.utime(tmp_path / "laneserve_cpu_d" / kbuild.BUILD_INFO, (1.9e9, 1.9e9))
+    assert kbuild.build_reason(new) == f"another checkout ({kbuild.KERNEL_DIR})"
     _fake_build(tmp_path / "laneserve_cpu_b", {**now, "sources": "0" * 16})
     os.utime(tmp_path / "laneserve_cpu_b" / kbuild.BUILD_INFO, (2e9, 2e9))  # the newest
     assert kbuild.build_reason(new) == "the kernel sources changed"
