@@ -141,10 +141,6 @@ class StepInputs:
     sampling: SamplingBatch | None
     spec: SpecInputs
 
-    @property
-    def num_tokens(self) -> int:
-        return self.per_token.row.shape[0]
-
 
 @dataclass
 class _Plan:
