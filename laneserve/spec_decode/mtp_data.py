@@ -42,7 +42,7 @@ class HiddenTap:
 
     def __call__(self, inp, ids, positions, hidden) -> None:
         handles = [r.handle for r in inp.rows]
-        token_row = inp.token_row.tolist()
+        token_row = inp.per_token.row.tolist()
         pos = positions.tolist()
         h = hidden.to(torch.bfloat16).cpu()
         for t, (row, p) in enumerate(zip(token_row, pos, strict=True)):

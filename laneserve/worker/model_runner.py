@@ -24,12 +24,12 @@ import torch
 from laneserve.model.attention import AttentionMetadata, PrefillSpan
 from laneserve.model.llama import LlamaModel
 from laneserve.protocol import RequestError, RequestOutput, StepResult, TokenLogprobs
-from laneserve.sample import rejection_sampler, sampler
-from laneserve.sample.sampler import SamplingBatch
+from laneserve.sample.step import Drafts, SampledStep, TreeRows, sample_step
 from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
 from laneserve.worker import side_rows
-from laneserve.worker.input_batch import SlotTable, StepInputs
+from laneserve.worker.input_batch import SlotTable
 from laneserve.worker.side_rows import KvStack, SideStep
+from laneserve.worker.step_inputs import StepInputs
 
 Proposer = NgramProposer | MtpProposer
 
@@ -74,6 +74,15 @@ class DeviceOutputs:
     logprobs: tuple[torch.Tensor, ...] | None  # chosen, rank, top ids, top lps per logits row
     num_drafts: torch.Tensor | None  # [Rs] real drafts verified (None: no speculation)
     errors: list[RequestError]
+
+
+@dataclass
+class _Forward:
+    """The target's forward: main rows' hidden states, and its side rows if any."""
+
+    hidden: torch.Tensor  # [T, H] (d1's row is replaced when an alternative is accepted)
+    side: SideStep | None = None
+    side_hidden: torch.Tensor | None = None  # [Ra * W, H]
 
 
 @dataclass
@@ -124,6 +133,7 @@ class ModelRunner:
 
     # -- device lane -------------------------------------------------------
     def execute(self, inp: StepInputs) -> DeviceOutputs:
+        """resolve -> forward -> logits -> sample/verify -> commit -> propose."""
         self.state.ensure(self.slots.capacity)
         errors = self._stale_rows(inp)
         if errors:
@@ -131,54 +141,28 @@ class ModelRunner:
         self._write_prompts(inp)
         ids, positions, start = self._resolve_inputs(inp)
         meta = self._metadata(inp, positions, start)
-        side = side_hidden = None
-        if inp.side is not None:
-            side, ids_all, pos_all, meta_all = side_rows.plan(
-                inp, self.state.side_drafts, ids, positions, meta
-            )
-            out, _ = self.model.forward(ids_all, pos_all, meta_all, self.kv_caches[0])
-            hidden, side_hidden = side_rows.split(out, side)
-        else:
-            hidden, _ = self.model.forward(ids, positions, meta, self.kv_caches[0])
+        fwd = self._forward(inp, ids, positions, meta)
         if self.capture is not None:
-            self.capture(inp, ids, positions, hidden)
-        tokens = num_emitted = logprobs = num_valid = num_accepted = None
+            self.capture(inp, ids, positions, fwd.hidden)
+        sampled = drafts = None
         if inp.sampling is not None:
-            rows = hidden.index_select(0, inp.logits_token_idx)
-            if side is not None:  # NOTE: one LM-head pass for all rows (it streams the weight)
-                rows = torch.cat([rows, side_hidden])
-            logits = self.model.compute_logits(rows)
-            drafts = None
-            if inp.any_spec:
-                drafts, num_valid = self._drafts(inp)
-            if side is not None and _all_greedy_tree(inp):
-                tokens, num_accepted = self._verify_tree_greedy(
-                    inp, side, logits, hidden, side_hidden, drafts, num_valid
-                )
-            else:
-                n = inp.logits_token_idx.shape[0]
-                logits, side_logits = logits[:n], logits[n:]
-                tokens, num_accepted, logprobs = self._sample(
-                    inp, logits, positions, drafts, num_valid
-                )
-                if side is not None:
-                    self._verify_side(
-                        inp,
-                        side,
-                        logits,
-                        side_logits,
-                        side_hidden,
-                        hidden,
-                        tokens,
-                        num_accepted,
-                        drafts,
-                        num_valid,
-                    )
-            num_emitted = num_accepted + 1
-            self._commit(inp, tokens, num_emitted)
+            drafts = self._drafts(inp)
+            sampled = sample_step(
+                self.model.kernels,
+                self._logits(inp, fwd),
+                inp.sampling,
+                inp.sample_rows,
+                positions,
+                self.state.history,
+                drafts,
+                self._tree(inp, fwd),
+            )
+            self._commit_side(inp, fwd, sampled)
+            self._commit(inp, sampled.tokens, sampled.num_accepted + 1)
         if self.proposer is not None:
-            self._propose(inp, hidden, positions, meta, num_accepted)
-        return DeviceOutputs(inp, tokens, num_emitted, logprobs, num_valid, [])
+            accepted = sampled.num_accepted if sampled is not None else None
+            self._propose(inp, fwd.hidden, positions, meta, accepted)
+        return _outputs(inp, sampled, drafts)
 
     def release(self, pairs: list[tuple[int, int]]) -> None:
         for slot, gen in pairs:
@@ -202,27 +186,28 @@ class ModelRunner:
 
     def _resolve_inputs(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token ids [T], positions [T] and per-row start [R], from the committed state."""
-        st = self.state
-        committed = st.committed.index_select(0, inp.row_slot)  # [R]
-        start = torch.where(inp.row_decode, committed - 1, inp.row_start)
-        positions = start.index_select(0, inp.token_row) + inp.token_offset  # [T]
-        ids = st.history[inp.token_slot, positions]
-        if inp.any_spec:
-            draft = st.drafts[inp.token_slot, inp.token_draft_col]
-            ids = torch.where(inp.token_is_draft, draft, ids)
+        st, row, tok = self.state, inp.per_row, inp.per_token
+        committed = st.committed.index_select(0, row.slot)  # [R]
+        start = torch.where(row.decode, committed - 1, row.start)
+        positions = start.index_select(0, tok.row) + tok.offset  # [T]
+        ids = st.history[tok.slot, positions]
+        if inp.spec.any:
+            draft = st.drafts[tok.slot, tok.draft_col]
+            ids = torch.where(tok.is_draft, draft, ids)
         return ids, positions, start
 
     def _metadata(
         self, inp: StepInputs, positions: torch.Tensor, start: torch.Tensor
     ) -> AttentionMetadata:
         """The main cache group's (0) metadata; other groups derive theirs from it."""
-        nd = inp.num_decode_rows
+        att = inp.attention
+        nd = att.num_decode_rows
         return AttentionMetadata(
             slot_mapping=self._slot_mapping(inp, positions, 0),
-            num_decode_tokens=inp.num_decode_tokens,
-            decode_block_tables=inp.block_tables[0][:nd] if nd else None,
-            decode_seq_lens=(start[:nd] + inp.row_qlen[:nd]).to(torch.int32) if nd else None,
-            decode_query_start_loc=inp.decode_query_start_loc if nd else None,
+            num_decode_tokens=att.num_decode_tokens,
+            decode_block_tables=att.groups[0].block_table[:nd] if nd else None,
+            decode_seq_lens=(start[:nd] + inp.per_row.qlen[:nd]).to(torch.int32) if nd else None,
+            decode_query_start_loc=att.decode_query_start_loc if nd else None,
             prefills=self._prefill_spans(inp, 0),
         )
 
@@ -231,169 +216,82 @@ class ModelRunner:
     ) -> AttentionMetadata:
         """`meta` (the main group's) for another cache group: the same rows and lengths,
         that group's blocks."""
-        nd = inp.num_decode_rows
+        nd = inp.attention.num_decode_rows
+        table = inp.attention.groups[group].block_table
         return replace(
             meta,
             slot_mapping=self._slot_mapping(inp, positions, group),
-            decode_block_tables=inp.block_tables[group][:nd] if nd else None,
+            decode_block_tables=table[:nd] if nd else None,
             prefills=self._prefill_spans(inp, group),
         )
 
     def _slot_mapping(self, inp: StepInputs, positions: torch.Tensor, group: int) -> torch.Tensor:
-        table = inp.block_tables[group]
-        return self.model.kernels.slot_mapping(table, inp.token_row, positions, self.block_size)
+        table = inp.attention.groups[group].block_table
+        return self.model.kernels.slot_mapping(table, inp.per_token.row, positions, self.block_size)
 
     def _prefill_spans(self, inp: StepInputs, group: int) -> tuple[PrefillSpan, ...]:
+        blocks = inp.attention.groups[group].prefill_blocks
         return tuple(
-            PrefillSpan(p.token_start, p.num_tokens, p.context_len, blocks)
-            for p, blocks in zip(inp.prefills, inp.prefill_block_ids[group], strict=True)
+            PrefillSpan(p.token_start, p.num_tokens, p.context_len, b)
+            for p, b in zip(inp.prefills, blocks, strict=True)
         )
 
-    def _sample(
-        self,
-        inp: StepInputs,
-        logits: torch.Tensor,
-        positions: torch.Tensor,
-        drafts: torch.Tensor | None,  # [Rs, max_spec] when the step verifies drafts
-        num_valid: torch.Tensor | None,  # [Rs] drafts to verify per row
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """(tokens [Rs, 1 + k], accepted [Rs], logprobs)."""
-        sb = inp.sampling
-        assert sb is not None
-        raw = logits.clone() if sb.max_logprobs >= 0 else logits
-        num_known = num_output = None
-        if sb.min_tokens is not None or sb.penalties is not None:
-            num_known = positions.index_select(0, inp.logits_token_idx) + 1  # [N]
-            num_output = num_known - sb.prompt_len.index_select(0, inp.logits_sample_row)
-        if drafts is not None:
-            if _greedy_dense(inp):
-                tokens, accepted, _, _ = self.model.kernels.verify_greedy(
-                    logits, drafts, num_valid, drafts[:, :0]
-                )
-            else:
-                flat = sb.expand(inp.logits_sample_row_host, inp.logits_sample_row)
-                if num_output is not None:
-                    sampler.apply_min_tokens(logits, flat, num_output)
-                if sb.penalties is not None:
-                    self._penalize_plain_rows(inp, logits, sb, num_known)
-                tokens, accepted = rejection_sampler.verify(
-                    logits, flat, inp.logits_sample_row, inp.logits_offset, drafts, num_valid
-                )
-        else:
-            if num_output is not None:
-                sampler.apply_min_tokens(logits, sb, num_output)
-            if sb.penalties is not None:
-                hist = self.state.history.index_select(0, inp.sample_slot)
-                sampler.apply_penalties(logits, sb, hist, num_known)
-            tokens = sampler.sample(logits, sb)[:, None]
-            accepted = torch.zeros_like(tokens[:, 0])
-        logprobs = None
-        if sb.max_logprobs >= 0:
-            chosen = tokens[inp.logits_sample_row, inp.logits_offset]
-            logprobs = sampler.compute_logprobs(raw, chosen, sb.max_logprobs)
-        return tokens, accepted, logprobs
-
-    def _drafts(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(drafts [Rs, max_spec], drafts to verify [Rs]) of the sampling rows."""
-        slots = inp.sample_slot
-        num_valid = torch.minimum(self.state.num_drafts.index_select(0, slots), inp.sample_num_spec)
-        return self.state.drafts.index_select(0, slots)[:, : inp.max_spec], num_valid
-
-    def _verify_tree_greedy(
-        self,
-        inp: StepInputs,
-        side: SideStep,
-        logits: torch.Tensor,  # [N + Rs * W, V]: main rows, then side rows
-        hidden: torch.Tensor,  # [T, H] main hidden (d1's row is replaced on a hit)
-        side_hidden: torch.Tensor,  # [Rs * W, H]
-        drafts: torch.Tensor,  # [Rs, max_spec]
-        num_valid: torch.Tensor,  # [Rs]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The all-greedy token-tree step (see `_all_greedy_tree`): one fused op decides
-        what `_sample` + `_verify_side` would."""
-        tokens, accepted, hit, choice = self.model.kernels.verify_greedy(
-            logits, drafts, num_valid, side.tokens
+    def _forward(
+        self, inp: StepInputs, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> _Forward:
+        """The target's forward over the step's tokens, and its side rows if any."""
+        if inp.spec.side is None:
+            hidden, _ = self.model.forward(ids, positions, meta, self.kv_caches[0])
+            return _Forward(hidden)
+        side, ids_all, pos_all, meta_all = side_rows.plan(
+            inp.spec.side, self.state.side_drafts, ids, positions, meta
         )
-        self._commit_side(inp, side, hit, choice, hidden, side_hidden)
-        return tokens, accepted
+        out, _ = self.model.forward(ids_all, pos_all, meta_all, self.kv_caches[0])
+        hidden, side_hidden = side_rows.split(out, side)
+        return _Forward(hidden, side, side_hidden)
 
-    def _commit_side(
-        self,
-        inp: StepInputs,
-        side: SideStep,
-        hit: torch.Tensor,  # [Rs] an alternative was accepted
-        choice: torch.Tensor,  # [Rs] which one
-        hidden: torch.Tensor,  # [T, H] main hidden (d1's row is replaced on a hit)
-        side_hidden: torch.Tensor,  # [Rs * W, H]
-    ) -> None:
-        assert inp.side is not None and self.kv_stacks is not None
+    def _logits(self, inp: StepInputs, fwd: _Forward) -> torch.Tensor:
+        """[N + Ra * W, V]: the sampling rows' logits rows, then the side rows."""
+        rows = fwd.hidden.index_select(0, inp.sample_rows.token_idx)
+        if fwd.side is not None:  # NOTE: one LM-head pass for all rows (it streams the weight)
+            rows = torch.cat([rows, fwd.side_hidden])
+        return self.model.compute_logits(rows)
+
+    def _drafts(self, inp: StepInputs) -> Drafts | None:
+        """The sampling rows' drafts and how many of them to verify (None: no speculation)."""
+        if not inp.spec.any:
+            return None
+        slots = inp.sample_rows.slot
+        num_valid = torch.minimum(self.state.num_drafts.index_select(0, slots), inp.spec.num_spec)
+        tokens = self.state.drafts.index_select(0, slots)[:, : inp.spec.max_spec]
+        return Drafts(tokens, num_valid, inp.spec.dense)
+
+    def _tree(self, inp: StepInputs, fwd: _Forward) -> TreeRows | None:
+        si, side = inp.spec.side, fwd.side
+        if si is None or side is None:
+            return None
+        return TreeRows(si.sample, si.sample_host, si.every_row, side.tokens, side.pos)
+
+    def _commit_side(self, inp: StepInputs, fwd: _Forward, sampled: SampledStep) -> None:
+        """An accepted alternative becomes the request's token at p + 1 (KV and hidden)."""
+        if fwd.side is None:
+            return
+        assert inp.spec.side is not None and self.kv_stacks is not None
+        assert sampled.tree_hit is not None and sampled.tree_choice is not None
         side_rows.commit(
             self.model.kernels,
             self.kv_stacks[0],
-            side,
-            hit,
-            choice,
-            hidden,
-            side_hidden,
-            inp.side.first_draft,
+            fwd.side,
+            sampled.tree_hit,
+            sampled.tree_choice,
+            fwd.hidden,
+            fwd.side_hidden,
+            inp.spec.side.first_draft,
         )
-
-    def _penalize_plain_rows(
-        self,
-        inp: StepInputs,
-        logits: torch.Tensor,  # [N, V] one row per (sampling row, offset)
-        sb: SamplingBatch,
-        num_known: torch.Tensor,  # [N]
-    ) -> None:
-        """Penalties in a step that also verifies drafts: requests with penalties never
-        speculate, so each has one logits row, at its sampling row's first."""
-        first = inp.sample_logit_start
-        rows = logits.index_select(0, first)  # [Rs, V]
-        hist = self.state.history.index_select(0, inp.sample_slot)
-        sampler.apply_penalties(rows, sb, hist, num_known.index_select(0, first))
-        logits.index_copy_(0, first, rows)
-
-    def _verify_side(
-        self,
-        inp: StepInputs,
-        side: SideStep,
-        logits: torch.Tensor,  # [N, V] processed main logits
-        side_logits: torch.Tensor,  # [Ra * W, V] the alternatives' rows
-        side_hidden: torch.Tensor,  # [Ra * W, H]
-        hidden: torch.Tensor,  # [T, H] main hidden (d1's row is replaced on a hit)
-        tokens: torch.Tensor,  # [Rs, 1 + k] updated in place
-        num_accepted: torch.Tensor,  # [Rs] updated in place
-        drafts: torch.Tensor,  # [Rs, max_spec]
-        num_valid: torch.Tensor,  # [Rs] drafts verified per row
-    ) -> None:
-        sb, si = inp.sampling, inp.side
-        assert sb is not None and si is not None
-        w, host = si.width, si.sample_host
-        row_batch = alt_batch = sb  # the all-greedy path reads no per-row sampling state
-        if not sb.all_greedy or sb.min_tokens is not None:
-            each = si.sample.repeat_interleave(w)
-            alt_batch = sb.expand([i for i in host for _ in range(w)], each)
-            row_batch = sb.expand(host, si.sample)
-            if sb.min_tokens is not None:
-                num_known = (side.pos + 1).repeat_interleave(w)  # the alternative's output
-                sampler.apply_min_tokens(side_logits, alt_batch, num_known - alt_batch.prompt_len)
-        alt = rejection_sampler.Alternatives(
-            si.sample, side.tokens, side_logits, row_batch, alt_batch
-        )
-        hit, choice = rejection_sampler.verify_alternatives(
-            logits,
-            inp.sample_logit_start,
-            drafts,
-            num_valid,
-            tokens,
-            num_accepted,
-            alt,
-        )
-        self._commit_side(inp, side, hit, choice, hidden, side_hidden)
 
     def _commit(self, inp: StepInputs, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
         st = self.state
-        slots = inp.sample_slot
+        slots = inp.sample_rows.slot
         base = st.committed.index_select(0, slots)
         cols = base[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]
         # NOTE: rejected tail positions are written too (no masking, no sync);
@@ -409,19 +307,19 @@ class ModelRunner:
         meta: AttentionMetadata,  # the step's main-group metadata (no side rows)
         accepted: torch.Tensor | None,
     ) -> None:
-        st = self.state
+        st, sr = self.state, inp.sample_rows
         # t[i+1] for every position i: the committed history (accepted tokens
         # and this step's samples are already in it).
-        next_tokens = st.history[inp.token_slot, (positions + 1).clamp(max=st.width - 1)]
-        slots = inp.sample_slot
-        last = inp.sample_logit_start + (accepted if accepted is not None else 0)
-        last_index = inp.logits_token_idx.index_select(0, last) if accepted is not None else last
+        next_tokens = st.history[inp.per_token.slot, (positions + 1).clamp(max=st.width - 1)]
+        last = sr.first + (accepted if accepted is not None else 0)
+        last_index = sr.token_idx.index_select(0, last) if accepted is not None else last
         meta_mtp = mtp_table = None
         if self.mtp_group is not None:
             meta_mtp = self._group_metadata(inp, meta, positions, self.mtp_group)
             if self.max_spec > 1:  # only recurrent drafts (k > 1) read it
-                mtp_table = inp.block_tables[self.mtp_group].index_select(0, inp.sample_rows)
-        view = _StepView(slots, last_index, positions, hidden, meta_mtp, mtp_table, inp.max_len)
+                table = inp.attention.groups[self.mtp_group].block_table
+                mtp_table = table.index_select(0, sr.index)
+        view = _StepView(sr.slot, last_index, positions, hidden, meta_mtp, mtp_table, inp.max_len)
         self.proposer.propose(st, view, next_tokens)
 
     # -- output lane -------------------------------------------------------
@@ -445,31 +343,25 @@ class ModelRunner:
         return StepResult(step_id=inp.step_id, outputs=outputs)
 
 
+def _outputs(inp: StepInputs, sampled: SampledStep | None, drafts: Drafts | None) -> DeviceOutputs:
+    if sampled is None:
+        return DeviceOutputs(inp, None, None, None, None, [])
+    num_drafts = drafts.num_valid if drafts is not None else None
+    return DeviceOutputs(
+        inp, sampled.tokens, sampled.num_accepted + 1, sampled.logprobs, num_drafts, []
+    )
+
+
 def _logprobs_lists(out: DeviceOutputs) -> dict[tuple[int, int], TokenLogprobs]:
-    inp = out.inputs
+    rows = out.inputs.sample_rows
     chosen, rank, top_ids, top_lp = (t.tolist() for t in out.logprobs)
     tokens = out.tokens.tolist()
-    rows = inp.logits_sample_row.tolist()
-    offs = inp.logits_offset.tolist()
+    offs = rows.offset.tolist()
     table = {}
-    for n, (i, j) in enumerate(zip(rows, offs, strict=True)):
+    for n, (i, j) in enumerate(zip(rows.row_host, offs, strict=True)):
         table[(i, j)] = TokenLogprobs(tokens[i][j], chosen[n], rank[n], top_ids[n], top_lp[n])
     return table
 
 
 def _trim(x: TokenLogprobs, n: int) -> TokenLogprobs:
     return TokenLogprobs(x.token_id, x.logprob, x.rank, x.top_ids[:n], x.top_logprobs[:n])
-
-
-def _greedy_dense(inp: StepInputs) -> bool:
-    """Every sampling row verifies max_spec drafts, greedily, with no logits processing:
-    `kernels.verify_greedy` decides the step."""
-    sb = inp.sampling
-    return inp.dense_spec and sb.all_greedy and sb.min_tokens is None
-
-
-def _all_greedy_tree(inp: StepInputs) -> bool:
-    """A greedy dense step in which every row also carries alternatives and none asks for
-    logprobs: the token-tree step of greedy decoding."""
-    si = inp.side
-    return si is not None and si.every_row and inp.sampling.max_logprobs < 0 and _greedy_dense(inp)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from laneserve.model.attention import AttentionMetadata, Kernels, PrefillSpan
-from laneserve.worker.input_batch import StepInputs
+from laneserve.worker.step_inputs import SideInputs
 
 KvStack = tuple[torch.Tensor, torch.Tensor]  # K, V of a cache group: [L, blocks, bs, Hk, D]
 
@@ -46,14 +46,13 @@ class SideStep:
 
 
 def plan(
-    inp: StepInputs,
+    si: SideInputs,
     alternatives: torch.Tensor,  # [capacity, >= W] per-slot alternatives (device state)
     ids: torch.Tensor,  # [T] main token ids
     positions: torch.Tensor,  # [T]
     meta: AttentionMetadata,  # the main tokens' metadata for the target group
 ) -> tuple[SideStep, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """The side step, and the forward's ids, positions and metadata with side rows."""
-    si = inp.side
     # d1's token: its position is p + 1 and its cache slot is the request's slot there
     pos = positions.index_select(0, si.first_draft)
     side = SideStep(
@@ -69,7 +68,7 @@ def plan(
         side,
         _insert(ids, side.tokens.flatten(), nd),
         _insert(positions, side_pos, nd),
-        _side_metadata(inp, meta, side, side_pos),
+        _side_metadata(si, meta, side, side_pos),
     )
 
 
@@ -78,20 +77,20 @@ def _insert(main: torch.Tensor, extra: torch.Tensor, at: int) -> torch.Tensor:
 
 
 def _side_metadata(
-    inp: StepInputs, meta: AttentionMetadata, side: SideStep, side_pos: torch.Tensor
+    si: SideInputs, meta: AttentionMetadata, side: SideStep, side_pos: torch.Tensor
 ) -> AttentionMetadata:
     s = side.num_tokens
     return AttentionMetadata(
         slot_mapping=_insert(meta.slot_mapping, side.slots.flatten(), side.num_decode_tokens),
         num_decode_tokens=meta.num_decode_tokens + s,
-        decode_block_tables=torch.cat([meta.decode_block_tables, inp.side.tables]),
+        decode_block_tables=torch.cat([meta.decode_block_tables, si.tables]),
         decode_seq_lens=torch.cat([meta.decode_seq_lens, (side_pos + 1).to(torch.int32)]),
-        decode_query_start_loc=inp.side.query_start_loc,
+        decode_query_start_loc=si.query_start_loc,
         prefills=tuple(
             PrefillSpan(p.token_start + s, p.num_tokens, p.context_len, p.block_ids)
             for p in meta.prefills
         ),
-        decode_last_slot=inp.side.last_slot,
+        decode_last_slot=si.last_slot,
     )
 
 

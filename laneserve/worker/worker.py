@@ -37,8 +37,9 @@ from laneserve.protocol import (
 )
 from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
 from laneserve.worker.failures import StepFailure, failed_result, handles_of, salvage
-from laneserve.worker.input_batch import InputSlot, RequestTable, StepInputs, build_inputs
+from laneserve.worker.input_batch import InputSlot, RequestTable
 from laneserve.worker.model_runner import DeviceOutputs, ModelRunner
+from laneserve.worker.step_inputs import InputLayout, StepInputs, build_inputs
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,15 @@ class Worker:
         self.input_slots = [InputSlot(i, sched.max_num_batched_tokens, max_rows) for i in range(2)]
         self.shared_generator = torch.Generator(device=self.device)
         self.shared_generator.manual_seed(config.model.seed)
+        self.input_layout = InputLayout(
+            self.device,
+            arch.vocab_size,
+            tuple(self.num_blocks),  # per group: the scratch block id
+            self.max_spec + 1,
+            self.side_width,
+            self.side_base,
+            self.shared_generator,
+        )
         self.load_s = time.perf_counter() - start
         log.info(
             "worker ready: %s %s on %s, %s KV blocks of %d tokens, kernels=%s, %.1f s",
@@ -282,18 +292,7 @@ class Worker:
             for s in cmd.scheduled:
                 self.table.apply_blocks(s)
             return build_inputs(
-                cmd,
-                self.table,
-                slot,
-                self.device,
-                self.ckpt.arch.vocab_size,
-                self.shared_generator,
-                pending.new_prompts,
-                pending.releases,
-                self.num_blocks,  # per group: the scratch block id
-                self.max_spec + 1,
-                self.side_width,
-                self.side_base,
+                cmd, self.table, slot, self.input_layout, pending.new_prompts, pending.releases
             )
 
     def device_step(self, staged: StepInputs | StepFailure) -> DeviceOutputs | StepFailure:

@@ -13,7 +13,7 @@ from laneserve import LLM, SamplingParams
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
 from laneserve.kernels import weights as kernels_mod
-from laneserve.worker.model_runner import ModelRunner
+from laneserve.sample import step as sample_step
 from tests.tiny_models import build_bigram_model, build_exact_mtp_head, hf_greedy
 
 
@@ -380,13 +380,13 @@ def test_token_tree_all_greedy_fast_path_exact_and_engaged(
     path (`_verify_tree_greedy`); the test above covers the general one."""
     model, _, _, noisy = bigram["llama"]
     calls = {"fast": 0}
-    fast = ModelRunner._verify_tree_greedy
+    fast = sample_step._verify_tree_greedy
 
-    def counted(self: ModelRunner, *args: object) -> object:
+    def counted(*args: object) -> object:
         calls["fast"] += 1
-        return fast(self, *args)
+        return fast(*args)
 
-    monkeypatch.setattr(ModelRunner, "_verify_tree_greedy", counted)
+    monkeypatch.setattr(sample_step, "_verify_tree_greedy", counted)
     work = workload(model, seed=2)
     base, _ = drive(model, None, False, work)
     for shape in ("[(0,), (1,), (2,)]", "[(0,), (1,), (0, 0)]"):
