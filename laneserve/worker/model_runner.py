@@ -26,12 +26,10 @@ from laneserve.model.llama import LlamaModel
 from laneserve.protocol import RequestError, RequestOutput, StepResult, TokenLogprobs
 from laneserve.sample import rejection_sampler, sampler
 from laneserve.sample.sampler import SamplingBatch
-from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
+from laneserve.spec_decode.base import Proposer, StepView
 from laneserve.worker import side_rows
 from laneserve.worker.input_batch import SlotTable, StepInputs
 from laneserve.worker.side_rows import KvStack, SideStep
-
-Proposer = NgramProposer | MtpProposer
 
 
 class DeviceState:
@@ -75,19 +73,6 @@ class DeviceOutputs:
     num_drafts: torch.Tensor | None  # [Rs] real drafts verified (None: no speculation)
     errors: list[RequestError]
     device_s: float = 0.0
-
-
-@dataclass
-class _StepView:
-    """What the proposer reads about the step that just ran (see spec_decode)."""
-
-    slots: torch.Tensor
-    last_index: torch.Tensor
-    positions: torch.Tensor
-    hidden: torch.Tensor
-    meta_mtp: AttentionMetadata | None
-    mtp_table: torch.Tensor | None
-    max_len: int
 
 
 class ModelRunner:
@@ -422,7 +407,7 @@ class ModelRunner:
             meta_mtp = self._group_metadata(inp, meta, positions, self.mtp_group)
             if self.max_spec > 1:  # only recurrent drafts (k > 1) read it
                 mtp_table = inp.block_tables[self.mtp_group].index_select(0, inp.sample_rows)
-        view = _StepView(slots, last_index, positions, hidden, meta_mtp, mtp_table, inp.max_len)
+        view = StepView(slots, last_index, positions, hidden, meta_mtp, mtp_table, inp.max_len)
         self.proposer.propose(st, view, next_tokens)
 
     # -- output lane -------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from laneserve.spec_decode.mtp_prompts import prompt_ids
+from laneserve.training.mtp_prompts import prompt_ids
 
 log = logging.getLogger(__name__)
 
