@@ -72,14 +72,20 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def depth(self) -> int:
         """Draft positions per step (the scheduler's k): the tree's depth."""
-        if self.tree:
-            return token_tree_shape(self.speculative_token_tree)[1]
-        return self.num_speculative_tokens
+        shape = self.tree_shape
+        return shape[1] if shape else self.num_speculative_tokens
 
     @property
     def num_candidates(self) -> int:
         """Alternatives for the first draft position (the tree's width at the root)."""
-        return token_tree_shape(self.speculative_token_tree)[0] if self.tree else 1
+        shape = self.tree_shape
+        return shape[0] if shape else 1
+
+    @property
+    def tree_shape(self) -> tuple[int, int] | None:
+        """(width at the root, depth) of the token tree; None without one."""
+        tree = self.speculative_token_tree
+        return None if tree is None else token_tree_shape(tree)
 
     @property
     def tree(self) -> bool:
@@ -140,11 +146,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f'unknown quantization {self.quantization!r}; supported: "int8"')
         if self.ngram_first and self.method != "mtp":
             raise ValueError('"ngram_first" only applies to method "mtp"')
-        if self.tree:
-            self._validate_tree()
+        shape = self.tree_shape
+        if shape is not None:
+            self._validate_tree(*shape)
 
-    def _validate_tree(self) -> None:
-        width, depth = token_tree_shape(self.speculative_token_tree)
+    def _validate_tree(self, width: int, depth: int) -> None:
         nodes = width + depth - 1
         if self.num_speculative_tokens != nodes:
             raise ValueError(

@@ -115,6 +115,7 @@ async def _announce(
         server.should_exit = True
         return
     eng = llm.engine
+    assert eng is not None  # ready without a load error: the engine exists
     log.info(
         "ready: serving %s at http://%s:%d/v1 (max_model_len %d, %s worker, %s)",
         state.model_name,

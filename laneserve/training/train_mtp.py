@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from laneserve.config import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN
-from laneserve.training.mtp_data import Sample, collect
+from laneserve.training.mtp_data import Sample, collect, in_process_worker
 from laneserve.training.mtp_module import MtpTrainModule
 from laneserve.training.mtp_prompts import heldout_prompts, training_prompts
 
@@ -70,7 +70,7 @@ def run(ns: argparse.Namespace) -> int:
         llm, work / "heldout.pt", heldout_prompts(ns.holdout), *args, "held-out", ns.resume
     )
     gen_s = time.perf_counter() - start
-    worker = llm.engine.client.worker
+    worker = in_process_worker(llm)
     module = MtpTrainModule.from_base(worker.ckpt, worker.model)
     vocab = draft_vocabulary(samples, ns.draft_vocab, worker.ckpt.arch.vocab_size)
     module.set_draft_vocab(vocab)

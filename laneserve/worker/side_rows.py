@@ -54,6 +54,7 @@ def plan(
 ) -> tuple[SideStep, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """The side step, and the forward's ids, positions and metadata with side rows."""
     si = inp.side
+    assert si is not None, "side rows need the step's side inputs"
     # d1's token: its position is p + 1 and its cache slot is the request's slot there
     pos = positions.index_select(0, si.first_draft)
     side = SideStep(
@@ -80,18 +81,21 @@ def _insert(main: torch.Tensor, extra: torch.Tensor, at: int) -> torch.Tensor:
 def _side_metadata(
     inp: StepInputs, meta: AttentionMetadata, side: SideStep, side_pos: torch.Tensor
 ) -> AttentionMetadata:
-    s = side.num_tokens
+    s, si = side.num_tokens, inp.side
+    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+    # NOTE: side rows follow speculative decode rows, so the main step has decode tables
+    assert si is not None and tables is not None and lens is not None
     return AttentionMetadata(
         slot_mapping=_insert(meta.slot_mapping, side.slots.flatten(), side.num_decode_tokens),
         num_decode_tokens=meta.num_decode_tokens + s,
-        decode_block_tables=torch.cat([meta.decode_block_tables, inp.side.tables]),
-        decode_seq_lens=torch.cat([meta.decode_seq_lens, (side_pos + 1).to(torch.int32)]),
-        decode_query_start_loc=inp.side.query_start_loc,
+        decode_block_tables=torch.cat([tables, si.tables]),
+        decode_seq_lens=torch.cat([lens, (side_pos + 1).to(torch.int32)]),
+        decode_query_start_loc=si.query_start_loc,
         prefills=tuple(
             PrefillSpan(p.token_start + s, p.num_tokens, p.context_len, p.block_ids)
             for p in meta.prefills
         ),
-        decode_last_slot=inp.side.last_slot,
+        decode_last_slot=si.last_slot,
     )
 
 
