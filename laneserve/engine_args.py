@@ -43,6 +43,7 @@ def _arg(
 def _from_config(struct: type[msgspec.Struct], name: str, help: str, **kw: Any) -> Any:
     """A field whose default is the config struct's own default for `name`."""
     (info,) = (f for f in msgspec.structs.fields(struct) if f.name == name)
+    assert info.default is not msgspec.NODEFAULT, f"{struct.__name__}.{name} has no default"
     return _arg(info.default, help, **kw)
 
 
@@ -60,7 +61,7 @@ class EngineArgs:
     dtype: str = _from_config(
         ModelConfig,
         "dtype",
-        "weight and activation dtype; auto: from the checkpoint",
+        "weight and activation dtype; auto: the checkpoint's (bfloat16 for float16 on CPU)",
         choices=DTYPES,
     )
     device: str = _from_config(
