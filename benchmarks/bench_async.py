@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from laneserve import LLM, SamplingParams
-from laneserve.entrypoints.workload import corpus_ids, prompt_token_ids
+from laneserve.bench.workload import corpus_ids, prompt_token_ids
 from laneserve.obs.trace_analysis import load_events, report, step_spans, summarize
 
 MODES = {

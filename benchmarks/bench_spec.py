@@ -101,7 +101,7 @@ class Engine:
             async_scheduling=not ns.no_async,
             enable_prefix_caching=False,
             worker_mode=ns.worker_mode,
-            kv_cache_memory=0.25 if ns.interleave == "prompt" else None,
+            **({"kv_cache_memory": 0.25} if ns.interleave == "prompt" else {}),
         )
         self.params = SamplingParams(temperature=0, max_tokens=ns.max_tokens, ignore_eos=True)
         self.llm.generate(

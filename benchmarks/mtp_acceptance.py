@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from laneserve import LLM, SamplingParams
-from laneserve.spec_decode.mtp_prompts import heldout_prompts, prompt_ids, training_prompts
+from laneserve.training.mtp_prompts import heldout_prompts, prompt_ids, training_prompts
 
 CHAT = [
     "Explain why the sky is blue.",

@@ -15,6 +15,8 @@ import msgspec
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
+WORKER_MODES = ("thread", "process")
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # `laneserve serve`: larger HTTP bodies are refused
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -29,7 +31,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 16
-    kv_cache_memory_gib: float | None = None  # budget for all KV blocks
+    kv_cache_memory_gib: float = 2.0  # budget for all KV blocks
     num_kv_blocks: int | None = None  # explicit block count (wins over the budget)
     enable_prefix_caching: bool = True
 
@@ -70,14 +72,20 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def depth(self) -> int:
         """Draft positions per step (the scheduler's k): the tree's depth."""
-        if self.tree:
-            return token_tree_shape(self.speculative_token_tree)[1]
-        return self.num_speculative_tokens
+        shape = self.tree_shape
+        return shape[1] if shape else self.num_speculative_tokens
 
     @property
     def num_candidates(self) -> int:
         """Alternatives for the first draft position (the tree's width at the root)."""
-        return token_tree_shape(self.speculative_token_tree)[0] if self.tree else 1
+        shape = self.tree_shape
+        return shape[0] if shape else 1
+
+    @property
+    def tree_shape(self) -> tuple[int, int] | None:
+        """(width at the root, depth) of the token tree; None without one."""
+        tree = self.speculative_token_tree
+        return None if tree is None else token_tree_shape(tree)
 
     @property
     def tree(self) -> bool:
@@ -138,11 +146,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f'unknown quantization {self.quantization!r}; supported: "int8"')
         if self.ngram_first and self.method != "mtp":
             raise ValueError('"ngram_first" only applies to method "mtp"')
-        if self.tree:
-            self._validate_tree()
+        shape = self.tree_shape
+        if shape is not None:
+            self._validate_tree(*shape)
 
-    def _validate_tree(self) -> None:
-        width, depth = token_tree_shape(self.speculative_token_tree)
+    def _validate_tree(self, width: int, depth: int) -> None:
         nodes = width + depth - 1
         if self.num_speculative_tokens != nodes:
             raise ValueError(
@@ -153,6 +161,30 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError('a speculative_token_tree with alternatives needs method "mtp"')
         if not (1 <= width <= 8 and depth <= 8):
             raise ValueError("speculative_token_tree: at most 8 alternatives and depth 8")
+
+
+# One line per key for `--speculative-config --help` (a test keeps it complete).
+SPECULATIVE_KEYS = {
+    "method": "required: mtp | ngram",
+    "num_speculative_tokens": "draft tokens per step, 1..8",
+    "draft_weights": "MTP head .safetensors; default: the checkpoint's own or the shipped one",
+    "prompt_lookup_min": "shortest suffix an n-gram lookup matches",
+    "prompt_lookup_max": "longest suffix an n-gram lookup matches",
+    "ngram_first": "MTP: prompt-lookup drafts where found, the head's elsewhere",
+    "disable_by_batch_size": "no drafts while this many requests run; default: no limit",
+    "speculative_token_tree": 'MTP alternatives, e.g. "[(0,), (1,), (0, 0)]"; default: a chain',
+    "quantization": 'MTP head weights: "int8"; default: as loaded',
+}
+
+
+def speculative_keys_help() -> str:
+    """`key (what, default)` for every SpeculativeConfig field."""
+    parts = []
+    for f in msgspec.structs.fields(SpeculativeConfig):
+        shown = f.default not in (msgspec.NODEFAULT, None)  # else the text says it
+        default = f"; default {json.dumps(f.default)}" if shown else ""
+        parts.append(f"{f.name} ({SPECULATIVE_KEYS[f.name]}{default})")
+    return "keys: " + ", ".join(parts)
 
 
 def token_tree_nodes(tree: str) -> int:
@@ -185,7 +217,7 @@ def token_tree_shape(tree: str) -> tuple[int, int]:
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # "process": the model lives in a spawned worker process; "thread": in this
     # process (same lanes, no IPC). The offline LLM defaults to "thread".
-    mode: str = "thread"
+    mode: str = "thread"  # one of WORKER_MODES
     restart_on_failure: bool = True
     profile_dir: str | None = None
     num_threads: int | None = None  # torch intra-op threads in the worker
@@ -208,7 +240,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_model_len must be >= 2, got {m.max_model_len}")
         if c.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two <= 128, got {c.block_size}")
-        if c.kv_cache_memory_gib is not None and c.kv_cache_memory_gib <= 0:
+        if c.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {c.kv_cache_memory_gib}")
         if c.num_kv_blocks is not None and c.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {c.num_kv_blocks}")
@@ -216,7 +248,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
         if s.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
-        if self.worker.mode not in ("thread", "process"):
+        if self.worker.mode not in WORKER_MODES:
             raise ValueError(f'worker mode must be "thread" or "process", got {self.worker.mode!r}')
         if self.speculative is not None:
             self.speculative.validate()

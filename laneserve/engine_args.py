@@ -1,44 +1,127 @@
-"""Engine arguments with vLLM's names, shared by `LLM(...)` and every CLI command."""
+"""Engine arguments with vLLM's names, shared by `LLM(...)` and every CLI command.
+
+Each field carries its help text (and its flag name where it differs) in the field
+metadata; `add_cli_args` generates the flags from the fields, so a default is
+written once. Defaults that the frozen config also has are read from it
+(`_from_config`), so config, `EngineArgs` and the CLI cannot disagree.
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
+
+import msgspec
 
 from laneserve.config import (
     DEVICES,
     DTYPES,
+    WORKER_MODES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     WorkerConfig,
+    speculative_keys_help,
 )
+
+
+def _arg(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A field with its CLI help; `flag` when the flag is not --field-name."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+
+
+def _from_config(struct: type[msgspec.Struct], name: str, help: str, **kw: Any) -> Any:
+    """A field whose default is the config struct's own default for `name`."""
+    (info,) = (f for f in msgspec.structs.fields(struct) if f.name == name)
+    assert info.default is not msgspec.NODEFAULT, f"{struct.__name__}.{name} has no default"
+    return _arg(info.default, help, **kw)
+
+
+_SPECULATIVE_HELP = "JSON object (default: no speculation); " + speculative_keys_help()
 
 
 @dataclass
 class EngineArgs:
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: float | None = None  # GiB
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    async_scheduling: bool = True
-    max_queued_requests: int | None = None
-    speculative_config: str | dict | SpeculativeConfig | None = None
-    worker_mode: str = "thread"
-    restart_worker: bool = True
-    profile_dir: str | None = None
-    num_threads: int | None = None
-    use_kernels: bool = True
+    model: str | None = _arg(
+        None, "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    tokenizer: str | None = _from_config(
+        ModelConfig, "tokenizer", "tokenizer directory (default: the model's own)"
+    )
+    dtype: str = _from_config(
+        ModelConfig,
+        "dtype",
+        "weight and activation dtype; auto: the checkpoint's (bfloat16 for float16 on CPU)",
+        choices=DTYPES,
+    )
+    device: str = _from_config(
+        ModelConfig, "device", "auto: cuda when available, else cpu", choices=DEVICES
+    )
+    seed: int = _from_config(ModelConfig, "seed", "seed of requests sampled without their own")
+    max_model_len: int | None = _from_config(
+        ModelConfig,
+        "max_model_len",
+        "longest prompt + output in tokens (default: the model's own limit)",
+    )
+    block_size: int = _from_config(CacheConfig, "block_size", "tokens per KV cache block")
+    kv_cache_memory: float = _from_config(
+        CacheConfig, "kv_cache_memory_gib", "KV cache budget in GiB"
+    )
+    num_kv_blocks: int | None = _from_config(
+        CacheConfig,
+        "num_kv_blocks",
+        "explicit KV block count, wins over --kv-cache-memory (default: from the budget)",
+    )
+    enable_prefix_caching: bool = _from_config(
+        CacheConfig, "enable_prefix_caching", "reuse the KV blocks of shared prompt prefixes"
+    )
+    max_num_seqs: int = _from_config(
+        SchedulerConfig, "max_num_seqs", "most requests running in one step"
+    )
+    max_num_batched_tokens: int = _from_config(
+        SchedulerConfig, "max_num_batched_tokens", "most tokens computed in one step"
+    )
+    async_scheduling: bool = _from_config(
+        SchedulerConfig, "async_scheduling", "schedule step N+1 while step N runs"
+    )
+    max_queued_requests: int | None = _from_config(
+        SchedulerConfig,
+        "max_queued_requests",
+        "waiting requests beyond which new ones are refused (default: no limit)",
+    )
+    speculative_config: str | dict | SpeculativeConfig | None = field(
+        default=None, metadata={"help": _SPECULATIVE_HELP}
+    )
+    worker_mode: str = _from_config(
+        WorkerConfig,
+        "mode",
+        "process: the model runs in a spawned worker process; thread: in this one",
+        choices=WORKER_MODES,
+    )
+    restart_worker: bool = _from_config(
+        WorkerConfig, "restart_on_failure", "start a new worker process when one dies"
+    )
+    profile_dir: str | None = _from_config(
+        WorkerConfig,
+        "profile_dir",
+        "write Chrome trace-event JSON per run here (default: no tracing)",
+    )
+    num_threads: int | None = _from_config(
+        WorkerConfig, "num_threads", "torch threads in the worker (default: torch's choice)"
+    )
+    use_kernels: bool = _from_config(
+        ModelConfig, "use_kernels", "CPU C++ kernels (built on first use)", flag="--kernels"
+    )
 
     def create_config(self) -> EngineConfig:
         cfg = EngineConfig(
@@ -75,7 +158,7 @@ class EngineArgs:
         return cfg
 
     @staticmethod
-    def from_kwargs(kwargs: dict) -> EngineArgs:
+    def from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
         known = {f.name for f in fields(EngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -83,49 +166,38 @@ class EngineArgs:
         return EngineArgs(**kwargs)
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, default_worker_mode: str = "thread") -> None:
+    def add_cli_args(
+        parser: argparse.ArgumentParser, default_worker_mode: str | None = None
+    ) -> None:
+        """One flag per field; `default_worker_mode` overrides that one default (a server
+        runs the model in a worker process)."""
         g = parser.add_argument_group("engine")
-        g.add_argument(
-            "--model",
-            default=None,
-            help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-        )
-        g.add_argument("--tokenizer", default=None)
-        g.add_argument("--dtype", default="auto", choices=DTYPES)
-        g.add_argument("--device", default="auto", choices=DEVICES)
-        g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--block-size", type=int, default=16)
-        g.add_argument(
-            "--kv-cache-memory", type=float, default=None, help="KV cache budget in GiB (default 2)"
-        )
-        g.add_argument("--num-kv-blocks", type=int, default=None, help="explicit KV block count")
-        g.add_argument(
-            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
-        )
-        g.add_argument("--max-num-seqs", type=int, default=64)
-        g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--max-queued-requests", type=int, default=None)
-        g.add_argument(
-            "--speculative-config",
-            default=None,
-            help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'',
-        )
-        g.add_argument("--worker-mode", default=default_worker_mode, choices=("thread", "process"))
-        g.add_argument("--restart-worker", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument(
-            "--profile-dir", default=None, help="write Chrome trace-event JSON per run here"
-        )
-        g.add_argument("--num-threads", type=int, default=None, help="torch threads in the worker")
-        g.add_argument(
-            "--kernels",
-            dest="use_kernels",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="CPU C++ kernels",
-        )
+        hints = typing.get_type_hints(EngineArgs)
+        for f in fields(EngineArgs):
+            default = f.default
+            if f.name == "worker_mode" and default_worker_mode is not None:
+                default = default_worker_mode
+            g.add_argument(cli_flag(f), dest=f.name, default=default, **_kind(hints[f.name], f))
 
     @staticmethod
     def from_cli(ns: argparse.Namespace) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
+
+
+def cli_flag(f: Field[Any]) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _kind(hint: Any, f: Field[Any]) -> dict[str, Any]:
+    """argparse keywords (action or type, choices, help) for a field of type `hint`."""
+    assert f.default is not MISSING, f"engine argument {f.name} needs a default"
+    kw: dict[str, Any] = {"help": f.metadata["help"]}
+    if f.metadata.get("choices"):
+        kw["choices"] = f.metadata["choices"]
+    options = typing.get_args(hint) or (hint,)
+    if bool in options:
+        kw["action"] = argparse.BooleanOptionalAction
+        return kw
+    # the first scalar of the union parses the flag (a JSON string for dict-or-str fields)
+    kw["type"] = next(t for t in options if t in (int, float, str))
+    return kw

@@ -111,9 +111,12 @@ class ProcessClient:
         while time.monotonic() < deadline:
             if self._conn.poll(_POLL_S):
                 try:
-                    return protocol.decode_worker_message(self._conn.recv_bytes())
+                    msg = protocol.decode_worker_message(self._conn.recv_bytes())
                 except (EOFError, OSError):
                     break
+                if isinstance(msg, StepResult):
+                    raise RuntimeError("the worker sent a step result before it was ready")
+                return msg
             if not self._alive():
                 break
         raise WorkerDiedError(

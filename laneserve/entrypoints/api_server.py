@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 import laneserve
+from laneserve.config import DEFAULT_MAX_REQUEST_BYTES
 from laneserve.core.engine_core import EngineDeadError, QueueFullError
 from laneserve.entrypoints import responses as R
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -29,8 +30,6 @@ from laneserve.obs.metrics import ServerMetrics
 from laneserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
 
 class APIError(Exception):

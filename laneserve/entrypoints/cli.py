@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from laneserve.engine_args import EngineArgs
 
@@ -20,13 +22,48 @@ def _setup_logging(level: str) -> None:
     )
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default after its help, unless the help already says it
+    (defaults of None mean "not set": their help explains what happens then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or default in (None, argparse.SUPPRESS):
+            return text
+        if "%(default)" in text or "default" in text.lower():
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """Subcommand parsers reject unknown flags themselves, so the error shows the
+    subcommand's usage rather than the top-level one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    # NOTE: typeshed declares overloads on `namespace`; one signature serves both here
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extra = super().parse_known_args(args, namespace)
+        if extra and self._subparsers is None:  # a leaf: nothing below may claim them
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns, extra
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="laneserve",
         description="LLM inference and serving on PyTorch (vLLM-compatible interface).",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="logging threshold",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -40,12 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt (offline)")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0: off)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument(
         "--no-stream",
         dest="stream",

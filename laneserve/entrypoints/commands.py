@@ -1,4 +1,8 @@
-"""Registers the subcommands other than `generate` (each lives in its own module)."""
+"""Registers the subcommands other than `generate` (each lives in its own module).
+
+NOTE: building the parser must not import torch (`--help` stays fast): the modules
+imported here declare flags at import time and load the engine only when run.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,9 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from laneserve.entrypoints import (
-        bench_offline,
-        bench_serve,
-        cache_cmd,
-        chat,
-        profile_cmd,
-        serve,
-    )
-    from laneserve.spec_decode import train_mtp
+    from laneserve.bench import bench_offline, bench_serve
+    from laneserve.entrypoints import cache_cmd, chat, profile_cmd, serve
+    from laneserve.training import cli as train_cli
 
     bench = sub.add_parser(
         "bench", help="benchmarks: offline (vs HF transformers), serve (any OpenAI server)"
@@ -24,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_offline.add_parser(bench_sub)
     bench_serve.add_parser(bench_sub)
     profile_cmd.add_parser(sub)
-    train_mtp.add_parser(sub)
+    train_cli.add_parser(sub)
     serve.add_parser(sub)
     chat.add_parser(sub)
     cache_cmd.add_parser(sub)

@@ -15,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "analyze", help="device spans, exposed host gaps and overlap per decode step"
     )
     a.add_argument("traces", nargs="+", help="trace JSON files or --profile-dir directories")
-    a.add_argument("--max-rows", type=int, default=20)
+    a.add_argument("--max-rows", type=int, default=20, help="most steps listed")
     a.set_defaults(func=run_analyze)
 
 

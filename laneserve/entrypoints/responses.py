@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from laneserve.frontend.output_processor import Delta
 from laneserve.outputs import Logprob
 
@@ -15,7 +16,7 @@ class Context:
     model: str
     created: int
     chat: bool
-    body: object  # CompletionRequest | ChatCompletionRequest
+    body: CompletionRequest | ChatCompletionRequest
     prompts: list[tuple[list[int], str | None]]
     n: int
 
@@ -171,7 +172,7 @@ class Accumulator:
 
 def _requested_logprobs(ctx: Context) -> int | None:
     body = ctx.body
-    if ctx.chat:
+    if isinstance(body, ChatCompletionRequest):
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
 
@@ -179,7 +180,7 @@ def _requested_logprobs(ctx: Context) -> int | None:
 def _top(entry: dict[int, Logprob], n: int) -> list[Logprob]:
     return sorted(
         (lp for lp in entry.values() if lp.rank is not None and lp.rank <= n),
-        key=lambda lp: lp.rank,
+        key=lambda lp: lp.rank or 0,  # every rank here is set (filtered above)
     )
 
 

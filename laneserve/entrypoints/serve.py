@@ -13,23 +13,38 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from laneserve.config import DEFAULT_MAX_REQUEST_BYTES
 from laneserve.engine_args import EngineArgs
-from laneserve.entrypoints.api_server import DEFAULT_MAX_REQUEST_BYTES, ServerState, build_app
-from laneserve.frontend.async_llm import AsyncLLM
-from laneserve.model.loader import DEFAULT_MODEL_NAME
+
+if TYPE_CHECKING:
+    from laneserve.entrypoints.api_server import ServerState
+    from laneserve.frontend.async_llm import AsyncLLM
 
 log = logging.getLogger("laneserve.serve")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument(
+        "--served-model-name", default=None, help="model id in the API (default: from --model)"
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
-    p.add_argument("--graceful-shutdown-s", type=float, default=10.0)
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies are refused",
+    )
+    p.add_argument(
+        "--graceful-shutdown-s",
+        type=float,
+        default=10.0,
+        help="seconds open requests may finish in on shutdown",
+    )
     EngineArgs.add_cli_args(p, default_worker_mode="process")
     p.set_defaults(func=run)
 
@@ -38,12 +53,18 @@ def served_name(model: str | None, override: str | None) -> str:
     if override:
         return override
     if not model:
+        from laneserve.model.loader import DEFAULT_MODEL_NAME
+
         return DEFAULT_MODEL_NAME
     return Path(model).name.removesuffix(".gguf") or model
 
 
 def run(ns: argparse.Namespace) -> int:
+    # NOTE: imported here, not at the top: building the parser (`--help`) stays light
     import uvicorn
+
+    from laneserve.entrypoints.api_server import ServerState, build_app
+    from laneserve.frontend.async_llm import AsyncLLM
 
     args = EngineArgs.from_cli(ns)
     config = args.create_config()  # invalid flags fail here, before anything starts
@@ -94,6 +115,7 @@ async def _announce(
         server.should_exit = True
         return
     eng = llm.engine
+    assert eng is not None  # ready without a load error: the engine exists
     log.info(
         "ready: serving %s at http://%s:%d/v1 (max_model_len %d, %s worker, %s)",
         state.model_name,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import EngineCore, WorkerClient
@@ -114,7 +115,7 @@ class LLMEngine:
     def stats(self) -> dict:
         s = self.core.scheduler.stats
         kv = self.core.kv
-        out = {
+        out: dict[str, Any] = {  # counters, rates and per-position lists
             "num_steps": s.num_steps,
             "num_preemptions": s.num_preemptions,
             "num_prefill_chunks": s.num_prefill_chunks,

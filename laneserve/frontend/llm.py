@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 from tqdm import tqdm
 
@@ -53,7 +54,9 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        # one conversation (a list of messages) or a list of them
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = cast(list[list[dict]], [messages] if one else messages)
         prompts = [
             {
                 "prompt_token_ids": self.engine.tokenizer.apply_chat_template(

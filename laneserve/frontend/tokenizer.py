@@ -29,12 +29,12 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _text(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
         """One token as text; a token that is only part of a UTF-8 character is
         shown as its raw vocabulary entry (unique, unlike U+FFFD)."""
-        text = self.hf.decode([token_id], skip_special_tokens=False)
+        text = _text(self.hf.decode([token_id], skip_special_tokens=False))
         if "\ufffd" in text:
             raw = self.hf.convert_ids_to_tokens(token_id)
             return raw if isinstance(raw, str) else text
@@ -50,8 +50,17 @@ class Tokenizer:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
             if m["role"] not in ("system", "user", "assistant", "tool"):
                 raise ValueError(f"message {i} has unknown role {m['role']!r}")
-        text = self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        text = _text(
+            self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         )
         # NOTE: the template already writes any BOS it wants.
         return self.encode(text, add_special_tokens=False)
+
+
+def _text(value: object) -> str:
+    """HF tokenizers return str for one sequence; their annotations allow lists too."""
+    if not isinstance(value, str):
+        raise TypeError(f"expected text from the tokenizer, got {type(value).__name__}")
+    return value

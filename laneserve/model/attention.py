@@ -44,6 +44,26 @@ class AttentionMetadata:
     decode_last_slot: torch.Tensor | None = None
 
 
+def _decode_attention(
+    kernels: Kernels,
+    q: torch.Tensor,  # [Td, Hq, D] the decode-like rows
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    tables, lens, starts = (
+        meta.decode_block_tables,
+        meta.decode_seq_lens,
+        meta.decode_query_start_loc,
+    )
+    # NOTE: the input builder sets all three whenever a step has decode-like rows
+    assert tables is not None and lens is not None and starts is not None, "no decode tables"
+    return kernels.paged_attention(
+        q, k_cache, v_cache, tables, lens, starts, scale, meta.decode_last_slot
+    )
+
+
 def paged_attention(
     kernels: Kernels,
     q: torch.Tensor,  # [T, Hq, D]
@@ -57,28 +77,10 @@ def paged_attention(
     kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode_tokens
     if not meta.prefills:
-        return kernels.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
-            meta.decode_query_start_loc,
-            scale,
-            meta.decode_last_slot,
-        )
+        return _decode_attention(kernels, q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = kernels.paged_attention(
-            q[:nd],
-            k_cache,
-            v_cache,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
-            meta.decode_query_start_loc,
-            scale,
-            meta.decode_last_slot,
-        )
+        out[:nd] = _decode_attention(kernels, q[:nd], k_cache, v_cache, meta, scale)
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)

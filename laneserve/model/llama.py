@@ -85,7 +85,7 @@ class DecoderLayer:
         qs, kvs = self.q_size, self.kv_size
         # NOTE: strided column views of qkv: the kernels take any row stride.
         q, k, v = qkv[:, :qs], qkv[:, qs : qs + kvs], qkv[:, qs + kvs :]
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither
             q = self.q_norm(q.reshape(-1, arch.head_dim)).view(t, qs)
             k = self.k_norm(k.reshape(-1, arch.head_dim)).view(t, kvs)
         self.rotary(positions, q, k)

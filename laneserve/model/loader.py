@@ -14,11 +14,15 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from laneserve.model.arch import SUPPORTED_ARCHITECTURES, ArchConfig
 from laneserve.model.gguf import converted_dir
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +133,7 @@ class WeightStore:
         self.device = device
         self.act_dtype = act_dtype
         self.directory = file.parent if file is not None else ckpt.directory
-        self._files: dict[str, object] = {}
+        self._files: dict[str, safe_open] = {}
         if file is not None:
             if not file.is_file():
                 raise ModelLoadError(f"weights file {str(file)!r} does not exist")

@@ -16,6 +16,7 @@ frequent tokens it was trained on (a smaller LM-head matmul per draft).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ class MtpHead:
         arch: ArchConfig,
         kernels: Kernels,
         get: WeightGetter,
-        has: object,  # callable name -> bool
+        has: Callable[[str], bool],  # whether the checkpoint holds a tensor
         base: LlamaModel,
         base_get: WeightGetter,  # the base checkpoint's tensors (for lm_head rows)
         draft_vocab: torch.Tensor | None,  # [Vd] int64 token ids, or None = full vocabulary

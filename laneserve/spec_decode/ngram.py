@@ -9,27 +9,23 @@ elsewhere) over the rows' history, bounded by a host-known length limit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from laneserve.kernels import Kernels
-
-if TYPE_CHECKING:
-    from laneserve.spec_decode.proposers import StepView
+from laneserve.spec_decode.base import DraftSlots, StepView
 
 
 class NgramProposer:
     def __init__(self, kernels: Kernels, k: int, n_min: int, n_max: int) -> None:
         self.kernels, self.k, self.n_min, self.n_max = kernels, k, n_min, n_max
 
-    def propose(self, state: object, view: StepView, next_tokens: torch.Tensor) -> None:
+    def propose(self, state: DraftSlots, view: StepView, next_tokens: torch.Tensor) -> None:
         del next_tokens
         drafts, num = self.lookup(state, view)
         state.drafts[view.slots, : self.k] = drafts
         state.num_drafts.index_copy_(0, view.slots, num)
 
-    def lookup(self, state: object, view: StepView) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, state: DraftSlots, view: StepView) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts [Rs, k], number found [Rs]; 0 = no match) from the rows' histories."""
         width = min(view.max_len, state.width)
         return self.kernels.ngram_lookup(

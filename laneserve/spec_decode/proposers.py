@@ -21,27 +21,14 @@ drafters are deterministic, so verification stays exact either way.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from laneserve.model.attention import AttentionMetadata
 from laneserve.model.mtp import MtpHead
+from laneserve.spec_decode.base import DraftSlots, Proposer, StepView
 from laneserve.spec_decode.ngram import NgramProposer
 
-
-class StepView(Protocol):
-    """What a proposer may read about the step that just ran (device tensors)."""
-
-    slots: torch.Tensor  # [Rs] state slots of the sampling rows
-    last_index: torch.Tensor  # [Rs] token row of each sampling row's last accepted position
-    positions: torch.Tensor  # [T]
-    hidden: torch.Tensor  # [T, H] target normed hidden
-    meta_mtp: AttentionMetadata | None  # the step's attention metadata for the MTP cache group
-    # [Rs, W + 1] MTP block table rows (last column: scratch); None at depth 1 (k = 1 or a
-    # depth-1 tree), where no draft goes past the first position
-    mtp_table: torch.Tensor | None
-    max_len: int  # host bound on every sampling row's length
+__all__ = ["MtpProposer", "NgramProposer", "Proposer", "StepView"]
 
 
 class MtpProposer:
@@ -57,7 +44,9 @@ class MtpProposer:
         self.head, self.k, self.kv_cache, self.block_size = head, k, kv_cache, block_size
         self.alternatives, self.lookup = alternatives, lookup
 
-    def propose(self, state: object, view: StepView, next_tokens: torch.Tensor) -> None:
+    def propose(self, state: DraftSlots, view: StepView, next_tokens: torch.Tensor) -> None:
+        # NOTE: the runner always builds the MTP group's metadata when this proposer exists.
+        assert view.meta_mtp is not None, "MTP drafts need the MTP cache group's metadata"
         out = self.head.forward(
             next_tokens, view.hidden, view.positions, view.meta_mtp, self.kv_cache
         )
@@ -65,14 +54,7 @@ class MtpProposer:
             return  # a prompt chunk: only the head's KV was needed
         h = out.index_select(0, view.last_index)  # [Rs, H]
         top = self.head.draft(h, 1 + self.alternatives)  # [Rs, 1 + A] best first
-        drafts, token = [top[:, :1]], top[:, 0]
-        pos = view.positions.index_select(0, view.last_index) if self.k > 1 else None
-        for _ in range(self.k - 1):
-            pos = pos + 1
-            h = self.head.forward(token, h, pos, self._single_token_meta(view, pos), self.kv_cache)
-            token = self.head.draft(h)[:, 0]
-            drafts.append(token[:, None])
-        chain = drafts[0] if self.k == 1 else torch.cat(drafts, dim=1)  # [Rs, k]
+        chain = top[:, :1] if self.k == 1 else self._chain(view, h, top[:, 0])  # [Rs, k]
         found = num = None
         if self.lookup is not None:
             found, num = self.lookup.lookup(state, view)
@@ -87,8 +69,22 @@ class MtpProposer:
             num,
         )
 
-    def _single_token_meta(self, view: StepView, pos: torch.Tensor) -> AttentionMetadata:
-        bs, table = self.block_size, view.mtp_table
+    def _chain(self, view: StepView, h: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Drafts 2..k: the head applied recurrently on its own output. [Rs, k]"""
+        table = view.mtp_table
+        assert table is not None, "recurrent drafts (k > 1) need the MTP block table"
+        drafts = [token[:, None]]
+        pos = view.positions.index_select(0, view.last_index)
+        for _ in range(self.k - 1):
+            pos = pos + 1
+            meta = self._single_token_meta(table, pos)
+            h = self.head.forward(token, h, pos, meta, self.kv_cache)
+            token = self.head.draft(h)[:, 0]
+            drafts.append(token[:, None])
+        return torch.cat(drafts, dim=1)
+
+    def _single_token_meta(self, table: torch.Tensor, pos: torch.Tensor) -> AttentionMetadata:
+        bs = self.block_size
         col = torch.div(pos, bs, rounding_mode="floor").clamp(max=table.shape[1] - 1)
         block = table.gather(1, col[:, None]).squeeze(1)
         rows = pos.shape[0]

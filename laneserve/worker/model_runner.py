@@ -25,13 +25,11 @@ from laneserve.model.attention import AttentionMetadata, PrefillSpan
 from laneserve.model.llama import LlamaModel
 from laneserve.protocol import RequestError, RequestOutput, StepResult, TokenLogprobs
 from laneserve.sample.step import Drafts, SampledStep, TreeRows, sample_step
-from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
+from laneserve.spec_decode.base import Proposer, StepView
 from laneserve.worker import side_rows
 from laneserve.worker.input_batch import SlotTable
 from laneserve.worker.side_rows import KvStack, SideStep
 from laneserve.worker.step_inputs import StepInputs
-
-Proposer = NgramProposer | MtpProposer
 
 
 class DeviceState:
@@ -83,19 +81,6 @@ class _Forward:
     hidden: torch.Tensor  # [T, H] (d1's row is replaced when an alternative is accepted)
     side: SideStep | None = None
     side_hidden: torch.Tensor | None = None  # [Ra * W, H]
-
-
-@dataclass
-class _StepView:
-    """What the proposer reads about the step that just ran (see spec_decode)."""
-
-    slots: torch.Tensor
-    last_index: torch.Tensor
-    positions: torch.Tensor
-    hidden: torch.Tensor
-    meta_mtp: AttentionMetadata | None
-    mtp_table: torch.Tensor | None
-    max_len: int
 
 
 class ModelRunner:
@@ -319,7 +304,7 @@ class ModelRunner:
             if self.max_spec > 1:  # only recurrent drafts (k > 1) read it
                 table = inp.attention.groups[self.mtp_group].block_table
                 mtp_table = table.index_select(0, sr.index)
-        view = _StepView(sr.slot, last_index, positions, hidden, meta_mtp, mtp_table, inp.max_len)
+        view = StepView(sr.slot, last_index, positions, hidden, meta_mtp, mtp_table, inp.max_len)
         self.proposer.propose(st, view, next_tokens)
 
     # -- output lane -------------------------------------------------------

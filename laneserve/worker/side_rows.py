@@ -80,11 +80,14 @@ def _side_metadata(
     si: SideInputs, meta: AttentionMetadata, side: SideStep, side_pos: torch.Tensor
 ) -> AttentionMetadata:
     s = side.num_tokens
+    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+    # NOTE: side rows follow speculative decode rows, so the main step has decode tables
+    assert tables is not None and lens is not None
     return AttentionMetadata(
         slot_mapping=_insert(meta.slot_mapping, side.slots.flatten(), side.num_decode_tokens),
         num_decode_tokens=meta.num_decode_tokens + s,
-        decode_block_tables=torch.cat([meta.decode_block_tables, si.tables]),
-        decode_seq_lens=torch.cat([meta.decode_seq_lens, (side_pos + 1).to(torch.int32)]),
+        decode_block_tables=torch.cat([tables, si.tables]),
+        decode_seq_lens=torch.cat([lens, (side_pos + 1).to(torch.int32)]),
         decode_query_start_loc=si.query_start_loc,
         prefills=tuple(
             PrefillSpan(p.token_start + s, p.num_tokens, p.context_len, p.block_ids)

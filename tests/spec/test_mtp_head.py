@@ -18,10 +18,10 @@ from laneserve.model.attention import AttentionMetadata, PrefillSpan
 from laneserve.model.llama import LlamaModel
 from laneserve.model.loader import WeightStore, resolve_checkpoint
 from laneserve.model.mtp import load_mtp_head
-from laneserve.spec_decode import mtp_prompts
-from laneserve.spec_decode.mtp_data import Sample, ShardDir, collect, generate_samples
-from laneserve.spec_decode.mtp_module import MtpTrainModule
-from laneserve.spec_decode.train_mtp import distill_loss, lookup_covered
+from laneserve.training import mtp_prompts
+from laneserve.training.mtp_data import Sample, ShardDir, collect, generate_samples
+from laneserve.training.mtp_module import MtpTrainModule
+from laneserve.training.train_mtp import distill_loss, lookup_covered
 
 
 def test_train_module_matches_inference_head(tiny_models: dict[str, Path], tmp_path: Path) -> None:

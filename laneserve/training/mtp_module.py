@@ -25,6 +25,15 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class MtpTrainModule(nn.Module):
+    # buffers, registered in __init__ (declared for the type checker)
+    embed: torch.Tensor  # [V, H] frozen
+    final_norm: torch.Tensor
+    head_full: torch.Tensor  # [V, H]
+    inv_freq: torch.Tensor
+    draft_vocab: torch.Tensor  # [Vd] token ids the head drafts from
+    head_draft: torch.Tensor  # [Vd, H] rows of head_full
+    vocab_index: torch.Tensor  # [V] position in draft_vocab, -1 outside it
+
     def __init__(
         self, arch: ArchConfig, base: dict[str, torch.Tensor], layer: dict[str, torch.Tensor]
     ) -> None:

@@ -39,52 +39,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from laneserve.config import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN
-from laneserve.spec_decode.mtp_data import Sample, collect
-from laneserve.spec_decode.mtp_module import MtpTrainModule
-from laneserve.spec_decode.mtp_prompts import heldout_prompts, training_prompts
+from laneserve.training.mtp_data import Sample, collect, in_process_worker
+from laneserve.training.mtp_module import MtpTrainModule
+from laneserve.training.mtp_prompts import heldout_prompts, training_prompts
 
 log = logging.getLogger(__name__)
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train-mtp", help="train an MTP draft head for a model (self-distillation)")
-    p.add_argument("--model", default=None, help="HF dir or .gguf (default: the embedded model)")
-    p.add_argument("--out", required=True, help="output .safetensors file")
-    p.add_argument("--num-prompts", type=int, default=500)
-    p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--gen-batch", type=int, default=32)
-    p.add_argument("--epochs", type=float, default=3.0)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--draft-vocab", type=int, default=8192, help="0: the full vocabulary")
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument(
-        "--distill",
-        choices=("soft", "hard"),
-        default="soft",
-        help="soft: match the target's whole distribution of t[i+2]; hard: its argmax only",
-    )
-    p.add_argument(
-        "--holdout", type=int, default=32, help="sequences from unseen prompts to measure top-1 on"
-    )
-    p.add_argument(
-        "--train-dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="bfloat16: mixed precision (autocast; fp32 weights and optimizer), ~40%% faster "
-        "steps on CPUs with bf16 dot products (AVX512-BF16)",
-    )
-    p.add_argument(
-        "--lookup-weight",
-        type=float,
-        default=1.0,
-        help="loss weight of positions a prompt lookup (n = 2..4) covers, where ngram_first "
-        "drafts from the lookup (0: skip them)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--dtype", default="auto")
-    p.set_defaults(func=run)
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -111,7 +70,7 @@ def run(ns: argparse.Namespace) -> int:
         llm, work / "heldout.pt", heldout_prompts(ns.holdout), *args, "held-out", ns.resume
     )
     gen_s = time.perf_counter() - start
-    worker = llm.engine.client.worker
+    worker = in_process_worker(llm)
     module = MtpTrainModule.from_base(worker.ckpt, worker.model)
     vocab = draft_vocabulary(samples, ns.draft_vocab, worker.ckpt.arch.vocab_size)
     module.set_draft_vocab(vocab)

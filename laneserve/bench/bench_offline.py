@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from laneserve.entrypoints.workload import NEW_TOKENS, corpus_ids, prompt_token_ids
+from laneserve.bench.workload import NEW_TOKENS, corpus_ids, prompt_token_ids
 
 PEERS = ("hf", "hf-fp32", "vllm", "vllm-fp32")
 
@@ -36,12 +36,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "offline", help="offline throughput vs HF transformers (same prompts, one run)"
     )
-    p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--cases", default="short")
-    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--batches", default="1,8,32", help="comma list of batch sizes")
+    p.add_argument(
+        "--cases", default="short", help="comma list of prompt cases: short (12 tokens), long (200)"
+    )
+    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="tokens per request")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed runs per case and batch (the median counts)"
+    )
     p.add_argument("--peers", default="hf", help="comma list: hf, hf-fp32, vllm, vllm-fp32, none")
-    p.add_argument("--hf-dtype", default="bfloat16")
+    p.add_argument("--hf-dtype", default="bfloat16", help="dtype of the hf peer")
     p.add_argument("--vllm-python", default=None, help="python of an environment with vLLM")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)

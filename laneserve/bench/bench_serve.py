@@ -27,25 +27,40 @@ from tqdm import tqdm
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="load an OpenAI-compatible server; TTFT/TPOT/ITL/E2EL")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's address")
     p.add_argument(
         "--endpoint", default=None, help="default: /v1/completions (or chat with --chat)"
     )
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     p.add_argument("--model", default=None, help="model id (default: the server's first model)")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--request-rate", type=float, default=float("inf"))
-    p.add_argument("--input-len", type=int, default=200)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--vocab-low", type=int, default=1000)
-    p.add_argument("--vocab-high", type=int, default=40000)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--num-warmups", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--num-prompts", type=int, default=32, help="requests to send")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests in flight (default: no limit)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (inf: all at once)",
+    )
+    p.add_argument("--input-len", type=int, default=200, help="random prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
+    p.add_argument("--vocab-low", type=int, default=1000, help="lowest random prompt token id")
+    p.add_argument("--vocab-high", type=int, default=40000, help="random prompt token ids below")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate --output-len tokens whatever the model says",
+    )
+    p.add_argument("--num-warmups", type=int, default=1, help="untimed requests first")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.set_defaults(func=run)
 
 

@@ -1,0 +1,1 @@
+"""Benchmark harness behind `laneserve bench` (not serving code)."""

@@ -1,0 +1,1 @@
+"""MTP draft-head training behind `laneserve train-mtp` (not serving code)."""
