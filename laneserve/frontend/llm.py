@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import cast
 
 from tqdm import tqdm
@@ -153,7 +153,7 @@ class TextStream:
         """Stop early: abort the request if it still runs."""
         self._pieces.close()
 
-    def _generate(self) -> Iterator[str]:
+    def _generate(self) -> Generator[str]:
         state = self._states[0]
         try:
             while state.finish_reason is None and self._engine.has_unfinished:

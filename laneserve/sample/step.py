@@ -117,6 +117,7 @@ def sample_step(
     logprobs = _logprobs(raw, tokens, batch, rows)
     if tree is None:
         return SampledStep(tokens, accepted, logprobs)
+    assert drafts is not None, "a token tree verifies drafts"
     hit, choice = _verify_tree(main, alt_logits, batch, rows, drafts, tree, tokens, accepted)
     return SampledStep(tokens, accepted, logprobs, hit, choice)
 

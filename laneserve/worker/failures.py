@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from laneserve.protocol import RequestError, StepCommand, StepResult
-from laneserve.worker.input_batch import StepInputs
+from laneserve.worker.step_inputs import StepInputs
 
 
 @dataclass
@@ -38,7 +38,7 @@ def handles_of(step: StepCommand | StepInputs | StepFailure) -> list[int]:
     return [r.handle for r in step.rows]
 
 
-def salvage(item: object) -> tuple[int, list[int]]:
+def salvage(item: bytes) -> tuple[int, list[int]]:
     """Best-effort step id and handles of a command that failed to decode."""
     try:
         raw = msgspec.msgpack.decode(item)

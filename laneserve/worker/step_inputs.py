@@ -264,7 +264,10 @@ def _token_inputs(plan: _Plan, slot: InputSlot, dev: _Uploader) -> TokenInputs:
 
 def _sample_rows(plan: _Plan, dev: _Uploader) -> SampleRows:
     """Each sampling row's logits rows: its last 1 + k tokens (k its drafts)."""
-    token_idx, row, offset, first = [], [], [], []
+    token_idx: list[int] = []
+    row: list[int] = []
+    offset: list[int] = []
+    first: list[int] = []
     for i, r in enumerate(plan.sample):
         s = plan.sched[r]
         k = s.num_spec if s.decode else 0
