@@ -195,3 +195,75 @@ def build_exact_mtp_head(
         t["draft_vocab"] = torch.tensor(draft_vocab, dtype=torch.int64)
     save_file({k: v.contiguous() for k, v in t.items()}, str(out), metadata={"hidden_size": str(h)})
     return out
+
+
+def deepseek_v3_config(**overrides: object) -> object:
+    """The tiny DeepSeek-V3 layout: MLA with q LoRA, yarn + interleaved rope, 8 experts
+    top-2 in 4 groups (noaux_tc), one shared expert, one dense layer, one MTP layer."""
+    from transformers import DeepseekV3Config
+
+    kw: dict[str, object] = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+        rope_interleave=True, num_nextn_predict_layers=1, max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "beta_fast": 32, "beta_slow": 1,
+        },
+        rms_norm_eps=1e-6, initializer_range=0.15, bos_token_id=0, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    kw.update(overrides)
+    return DeepseekV3Config(**kw)
+
+
+def deepseek_v2_config(**overrides: object) -> object:
+    """The tiny DeepSeek-V2 layout: plain q_proj, softmax group-limited routing, no MTP."""
+    from transformers import DeepseekV2Config
+
+    kw: dict[str, object] = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=1.5,
+        topk_method="group_limited_greedy", max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6, initializer_range=0.15, bos_token_id=0, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    kw.update(overrides)
+    return DeepseekV2Config(**kw)
+
+
+def build_tiny_deepseek(out: Path, version: int = 3, *, seed: int = 0, **overrides: object) -> Path:
+    """A tiny random DeepSeek V3 (or V2) checkpoint in the release layout (one tensor
+    per expert), with randomised norms, router bias and a wide LM head."""
+    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, 320)
+    if version == 3:
+        cfg, cls = deepseek_v3_config(**overrides), DeepseekV3ForCausalLM
+    else:
+        cfg, cls = deepseek_v2_config(**overrides), DeepseekV2ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.7, 1.3)
+            elif "lm_head" in name:
+                p.mul_(4.0)
+            elif name.endswith("gate.weight"):
+                p.mul_(4.0)  # decisive routing
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(str(out))
+    return out

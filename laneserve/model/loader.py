@@ -141,7 +141,9 @@ class WeightStore:
                 self._files[file_name] = safe_open(str(self.directory / file_name), framework="pt")
             except Exception as e:
                 raise ModelLoadError(f"cannot open {self.directory / file_name}: {e}") from None
-        self.expected = _expected_shapes(ckpt.arch)
+        from laneserve.model.registry import family_for  # the families import this module
+
+        self.expected = family_for(ckpt.arch).weight_shapes(ckpt.arch)
         self.loaded = 0
         self._start = time.perf_counter()
 
@@ -181,7 +183,8 @@ class WeightStore:
         """A tensor as stored (no dtype change), e.g. integer index tensors."""
         return self._files[self._index[name]].get_tensor(name).to(self.device)
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The checked tensor, in `dtype` if given (else by rank, see the class)."""
         file = self._index.get(name)
         if file is None:
             raise ModelLoadError(
@@ -198,34 +201,7 @@ class WeightStore:
             )
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ModelLoadError(f"tensor {name!r} in {file} contains NaN or Inf")
-        small = tensor.dim() == 1
-        dtype = self.act_dtype if small else self.ckpt.weight_dtype
+        if dtype is None:
+            dtype = self.act_dtype if tensor.dim() == 1 else self.ckpt.weight_dtype
         self.loaded += 1
         return tensor.to(device=self.device, dtype=dtype)
-
-
-def _expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
-    h, q = arch.hidden_size, arch.num_heads * arch.head_dim
-    kv, inter = arch.num_kv_heads * arch.head_dim, arch.intermediate_size
-    shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, h)
-    mtp = f"model.layers.{arch.num_layers}"
-    shapes[f"{mtp}.eh_proj.weight"] = (h, 2 * h)
-    shapes[f"{mtp}.enorm.weight"] = shapes[f"{mtp}.hnorm.weight"] = (h,)
-    for i in range(arch.num_layers + 1):  # the last one is the MTP head's decoder layer
-        p = f"model.layers.{i}"
-        shapes.update(
-            {
-                f"{p}.self_attn.q_proj.weight": (q, h),
-                f"{p}.self_attn.k_proj.weight": (kv, h),
-                f"{p}.self_attn.v_proj.weight": (kv, h),
-                f"{p}.self_attn.o_proj.weight": (h, q),
-                f"{p}.mlp.gate_proj.weight": (inter, h),
-                f"{p}.mlp.up_proj.weight": (inter, h),
-                f"{p}.mlp.down_proj.weight": (h, inter),
-                f"{p}.input_layernorm.weight": (h,),
-                f"{p}.post_attention_layernorm.weight": (h,),
-            }
-        )
-    return shapes
