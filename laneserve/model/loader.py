@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from laneserve.model import fp8
 from laneserve.model.arch import SUPPORTED_ARCHITECTURES, ArchConfig
 from laneserve.model.gguf import converted_dir
 
@@ -38,6 +39,7 @@ class Checkpoint:
     arch: ArchConfig
     weight_dtype: torch.dtype
     known_name: str | None = None  # set for the embedded default model
+    fp8_block: tuple[int, int] | None = None  # block-quantized fp8 weights (see fp8.py)
 
 
 def default_model_path() -> Path:
@@ -89,10 +91,12 @@ def resolve_checkpoint(model: str | None, dtype: str, device: torch.device) -> C
         directory = converted_dir(path, weight_dtype)
     else:
         directory = path
-    arch = ArchConfig.from_hf(_read_config(directory))
+    cfg = _read_config(directory)
+    arch = ArchConfig.from_hf(cfg)
+    fp8_block = fp8.block_size_of(cfg)
     weight_dtype = resolve_dtype(dtype, arch.torch_dtype, device)
     known = DEFAULT_MODEL_NAME if path.name == DEFAULT_MODEL_FILE else None
-    return Checkpoint(directory, str(model or path), arch, weight_dtype, known)
+    return Checkpoint(directory, str(model or path), arch, weight_dtype, known, fp8_block)
 
 
 def _read_config(directory: Path) -> dict:
@@ -179,6 +183,25 @@ class WeightStore:
             out.update(f.metadata() or {})
         return out
 
+    def _read(self, file: str, name: str) -> torch.Tensor:
+        try:
+            return self._files[file].get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"tensor {name!r} in {file} is corrupt: {e}") from None
+
+    def _dequantize(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        scale_name = f"{name}_scale_inv"
+        block = self.ckpt.fp8_block
+        if block is None or scale_name not in self._index:
+            raise ModelLoadError(
+                f"tensor {name!r} is fp8 without a block scale ({scale_name}) and an fp8 "
+                "quantization_config in config.json"
+            )
+        try:
+            return fp8.dequantize(tensor, self._read(self._index[scale_name], scale_name), block)
+        except ValueError as e:
+            raise ModelLoadError(f"tensor {name!r}: {e}") from None
+
     def raw(self, name: str) -> torch.Tensor:
         """A tensor as stored (no dtype change), e.g. integer index tensors."""
         return self._files[self._index[name]].get_tensor(name).to(self.device)
@@ -190,10 +213,9 @@ class WeightStore:
             raise ModelLoadError(
                 f"tensor {name!r} is missing from {self.directory} ({self.ckpt.arch.architecture})"
             )
-        try:
-            tensor = self._files[file].get_tensor(name)
-        except Exception as e:
-            raise ModelLoadError(f"tensor {name!r} in {file} is corrupt: {e}") from None
+        tensor = self._read(file, name)
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor = self._dequantize(name, tensor)
         want = self.expected.get(name)
         if want is not None and tuple(tensor.shape) != want:
             raise ModelLoadError(
