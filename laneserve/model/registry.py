@@ -59,10 +59,9 @@ def _deepseek_mtp(
     known_name: str | None,
     quantize: str | None,
 ) -> Any:
-    raise UnsupportedModelError(
-        f"{store.ckpt.arch.architecture}: MTP speculative decoding is not available for "
-        'this family; use "method": "ngram"'
-    )
+    from laneserve.model.deepseek_mtp import load_deepseek_mtp
+
+    return load_deepseek_mtp(store, model, kernels, draft_weights, quantize)
 
 
 FAMILIES = (
