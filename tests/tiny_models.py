@@ -367,13 +367,14 @@ def add_mtp_layer(model_dir: Path, *, seed: int = 0, exact_of: int | None = None
     return model_dir
 
 
-def build_exact_deepseek_mtp(out: Path, seed: int = 0) -> Path:
+def build_exact_deepseek_mtp(out: Path, seed: int = 0, **overrides: object) -> Path:
     """A 1-layer V3 whose attention output is zero (the next token depends only on the
     current one; embedding rows of RMS 1), with an MTP layer that copies its layer: the
     draft equals the target's next prediction (100 % acceptance)."""
     from safetensors.torch import load_file, save_file
 
-    build_tiny_deepseek(out, 3, seed=seed, num_hidden_layers=1, first_k_dense_replace=0)
+    overrides = {**overrides, "num_hidden_layers": 1, "first_k_dense_replace": 0}
+    build_tiny_deepseek(out, 3, seed=seed, **overrides)
     w = load_file(str(out / "model.safetensors"))
     emb = w["model.embed_tokens.weight"]
     w["model.embed_tokens.weight"] = emb / emb.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
