@@ -56,8 +56,9 @@ class MlaAttention:
         kv_b = get(f"{a}.kv_b_proj.weight")  # [H * (nope + v), r]
         self.kv_b = Linear(kernels, kv_b, None)
         w = kv_b.view(self.heads, p.qk_nope_head_dim + p.v_head_dim, p.kv_lora_rank)
-        self.w_uk = w[:, : p.qk_nope_head_dim].contiguous()  # [H, nope, r]
-        self.w_uv = w[:, p.qk_nope_head_dim :].contiguous()  # [H, v, r]
+        act = rotary.cos.dtype  # the absorbed decode multiplies activations by these
+        self.w_uk = w[:, : p.qk_nope_head_dim].to(act).contiguous()  # [H, nope, r]
+        self.w_uv = w[:, p.qk_nope_head_dim :].to(act).contiguous()  # [H, v, r]
         self.o_proj = Linear(kernels, get(f"{a}.o_proj.weight"), bias("o_proj"))
         self.scale = softmax_scale(arch.rope_scaling or {}, p.qk_head_dim)
 
@@ -143,10 +144,10 @@ class MlaAttention:
         keys = store.index_select(0, tables.flatten()).view(nd, -1, p.latent_dim)
         keys = keys.to(q_nope.dtype)  # [nd, L, r + rope]
         c, k_pe = keys[..., : p.kv_lora_rank], keys[..., p.kv_lora_rank :]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, self.w_uk.to(q_nope.dtype))  # [nd, H, r]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)  # [nd, H, r]
         scores = torch.bmm(q_lat, c.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2))
         visible = torch.arange(keys.shape[1], device=keys.device)[None, :] <= limit[:, None]
         scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)  # [nd, H, L]
         o_lat = torch.bmm(probs, c)  # [nd, H, r]
-        return torch.einsum("thr,hvr->thv", o_lat, self.w_uv.to(o_lat.dtype))
+        return torch.einsum("thr,hvr->thv", o_lat, self.w_uv)

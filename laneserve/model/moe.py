@@ -17,10 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from laneserve.model.arch import DeepseekParams
-from laneserve.model.layers import GatedMLP, Kernels
+from laneserve.model.layers import GatedMLP, Kernels, Linear
 
 WeightGetter = Callable[..., torch.Tensor]  # (name[, dtype]) -> tensor
 
@@ -66,16 +65,22 @@ class MoE:
         self.bias = None
         if p.topk_method == "noaux_tc":
             self.bias = get(f"{prefix}.gate.e_score_correction_bias", torch.float32)
-        e = range(p.n_routed_experts)
         x = f"{prefix}.experts"
-        # [E, 2I, H] (gate rows, then up rows) and [E, H, I]
-        self.w13 = torch.stack(
-            [
-                torch.cat([get(f"{x}.{i}.gate_proj.weight"), get(f"{x}.{i}.up_proj.weight")])
-                for i in e
-            ]
-        )
-        self.w2 = torch.stack([get(f"{x}.{i}.down_proj.weight") for i in e])
+        # per expert: gate and up rows fused (one matmul), then down; through the kernels,
+        # which keep bf16 weights as they are and accumulate in fp32 on CPU
+        self.w13 = [
+            Linear(
+                kernels,
+                torch.cat([get(f"{x}.{i}.gate_proj.weight"), get(f"{x}.{i}.up_proj.weight")]),
+                None,
+            )
+            for i in range(p.n_routed_experts)
+        ]
+        self.w2 = [
+            Linear(kernels, get(f"{x}.{i}.down_proj.weight"), None)
+            for i in range(p.n_routed_experts)
+        ]
+        self.kernels = kernels
         self.shared = None
         if p.n_shared_experts:
             s = f"{prefix}.shared_experts"
@@ -103,8 +108,6 @@ class MoE:
         for e, chunk in enumerate(torch.split(xs, counts)):
             if chunk.shape[0] == 0:
                 continue
-            h = F.linear(chunk, self.w13[e].to(chunk.dtype))
-            gate, up = h.chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.w2[e].to(chunk.dtype)))
+            outs.append(self.w2[e](self.kernels.silu_and_mul(self.w13[e](chunk))))
         y = torch.cat(outs) * weights.flatten().index_select(0, order)[:, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, y)
