@@ -195,3 +195,189 @@ def build_exact_mtp_head(
         t["draft_vocab"] = torch.tensor(draft_vocab, dtype=torch.int64)
     save_file({k: v.contiguous() for k, v in t.items()}, str(out), metadata={"hidden_size": str(h)})
     return out
+
+
+def deepseek_v3_config(**overrides: object) -> object:
+    """The tiny DeepSeek-V3 layout: MLA with q LoRA, yarn + interleaved rope, 8 experts
+    top-2 in 4 groups (noaux_tc), one shared expert, one dense layer, one MTP layer."""
+    from transformers import DeepseekV3Config
+
+    kw: dict[str, object] = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+        rope_interleave=True, num_nextn_predict_layers=1, max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "beta_fast": 32, "beta_slow": 1,
+        },
+        rms_norm_eps=1e-6, initializer_range=0.15, bos_token_id=0, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    kw.update(overrides)
+    return DeepseekV3Config(**kw)
+
+
+def deepseek_v2_config(**overrides: object) -> object:
+    """The tiny DeepSeek-V2 layout: plain q_proj, softmax group-limited routing, no MTP."""
+    from transformers import DeepseekV2Config
+
+    kw: dict[str, object] = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=1.5,
+        topk_method="group_limited_greedy", max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6, initializer_range=0.15, bos_token_id=0, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    kw.update(overrides)
+    return DeepseekV2Config(**kw)
+
+
+def build_tiny_deepseek(out: Path, version: int = 3, *, seed: int = 0, **overrides: object) -> Path:
+    """A tiny random DeepSeek V3 (or V2) checkpoint in the release layout (one tensor
+    per expert), with randomised norms, router bias and a wide LM head."""
+    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, 320)
+    if version == 3:
+        cfg, cls = deepseek_v3_config(**overrides), DeepseekV3ForCausalLM
+    else:
+        cfg, cls = deepseek_v2_config(**overrides), DeepseekV2ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.7, 1.3)
+            elif "lm_head" in name:
+                p.mul_(4.0)
+            elif name.endswith("gate.weight"):
+                p.mul_(4.0)  # decisive routing
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(str(out))
+    return out
+
+
+def _release_names(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """transformers' MtpLayer state dict -> the checkpoint's release names under `prefix`
+    (per-expert tensors, `shared_head.norm`)."""
+    out = {}
+    for name, t in state.items():
+        if name.startswith("mtp_block.mlp.experts."):
+            x = f"{prefix}.mlp.experts"
+            for e in range(t.shape[0]):
+                if name.endswith("gate_up_proj"):
+                    gate, up = t[e].chunk(2, dim=0)
+                    out[f"{x}.{e}.gate_proj.weight"] = gate
+                    out[f"{x}.{e}.up_proj.weight"] = up
+                else:
+                    out[f"{x}.{e}.down_proj.weight"] = t[e]
+        elif name.startswith("post_norm."):
+            out[f"{prefix}.shared_head.norm.weight"] = t
+        else:
+            out[f"{prefix}.{name.removeprefix('mtp_block.')}"] = t
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def hf_mtp_layer(model_dir: Path) -> object:
+    """transformers' generic MTP layer for the checkpoint's MTP layer index, loaded from it."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import DeepseekV3Config
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3DecoderLayer,
+        DeepseekV3RMSNorm,
+    )
+
+    cfg = DeepseekV3Config(**json.loads((model_dir / "config.json").read_text()))
+    n = cfg.num_hidden_layers
+    layer = MtpLayer(cfg, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, n).float().eval()
+    saved = load_file(str(model_dir / "model.safetensors"))
+    x = f"model.layers.{n}.mlp.experts"
+    state = {}
+    for name, t in layer.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            parts = [
+                [saved[f"{x}.{e}.{p}_proj.weight"] for p in ("gate", "up")] for e in range(len(t))
+            ]
+            state[name] = torch.stack([torch.cat(g_u) for g_u in parts])
+        elif name.endswith("experts.down_proj"):
+            state[name] = torch.stack([saved[f"{x}.{e}.down_proj.weight"] for e in range(len(t))])
+        else:
+            (release,) = _release_names({name: t}, f"model.layers.{n}")
+            state[name] = saved[release]
+    layer.load_state_dict(state)
+    return layer
+
+
+def add_mtp_layer(model_dir: Path, *, seed: int = 0, exact_of: int | None = None) -> Path:
+    """Append an MTP layer (release names) to a tiny DeepSeek V3 checkpoint: random, or,
+    with `exact_of`, one that reproduces decoder layer `exact_of` (see
+    `build_exact_deepseek_mtp`)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3DecoderLayer,
+        DeepseekV3RMSNorm,
+    )
+
+    cfg = DeepseekV3Config(**json.loads((model_dir / "config.json").read_text()))
+    n = cfg.num_hidden_layers
+    w = load_file(str(model_dir / "model.safetensors"))
+    torch.manual_seed(seed)
+    layer = MtpLayer(cfg, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, n).float()
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.7, 1.3)
+            else:
+                p.normal_(0, 0.6 if name.endswith("gate.weight") else 0.15)
+        for name, b in layer.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    p = f"model.layers.{n}"
+    extra = _release_names(layer.state_dict(), p)
+    if exact_of is not None:
+        h = cfg.hidden_size
+        src = f"model.layers.{exact_of}."
+        extra = {k.replace(src, f"{p}."): v.clone() for k, v in w.items() if k.startswith(src)}
+        extra[f"{p}.enorm.weight"] = torch.full((h,), (1.0 + cfg.rms_norm_eps) ** 0.5)
+        extra[f"{p}.hnorm.weight"] = torch.ones(h)
+        extra[f"{p}.eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+        extra[f"{p}.shared_head.norm.weight"] = w["model.norm.weight"].clone()
+    extra[f"{p}.shared_head.head.weight"] = w["lm_head.weight"].clone()
+    extra[f"{p}.embed_tokens.weight"] = w["model.embed_tokens.weight"].clone()
+    save_file({**w, **extra}, str(model_dir / "model.safetensors"))
+    return model_dir
+
+
+def build_exact_deepseek_mtp(out: Path, seed: int = 0, **overrides: object) -> Path:
+    """A 1-layer V3 whose attention output is zero (the next token depends only on the
+    current one; embedding rows of RMS 1), with an MTP layer that copies its layer: the
+    draft equals the target's next prediction (100 % acceptance)."""
+    from safetensors.torch import load_file, save_file
+
+    overrides = {**overrides, "num_hidden_layers": 1, "first_k_dense_replace": 0}
+    build_tiny_deepseek(out, 3, seed=seed, **overrides)
+    w = load_file(str(out / "model.safetensors"))
+    emb = w["model.embed_tokens.weight"]
+    w["model.embed_tokens.weight"] = emb / emb.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
+    w["model.layers.0.self_attn.o_proj.weight"].zero_()
+    save_file(w, str(out / "model.safetensors"))
+    return add_mtp_layer(out, exact_of=0)

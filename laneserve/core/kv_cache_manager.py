@@ -11,6 +11,7 @@ class with the same four methods (`find_hit`, `num_blocks_needed`, `allocate`,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from laneserve.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block
@@ -21,25 +22,44 @@ BlockIds = tuple[list[int], ...]  # one list per cache group
 
 @dataclass(frozen=True)
 class CacheGroupSpec:
+    """A group's block layout.
+
+    An *entry* is what the group stores for `tokens_per_entry` token positions in one
+    layer: `tensors_per_entry` tensors (K and V: 2; one MLA latent: 1) of `entry_shape`
+    values each. A block holds `block_size` token positions of every layer of the group.
+
+    ```
+     full attention   2 x [num_kv_heads, head_dim]            per token, per layer
+     MLA latent       1 x [1, kv_lora_rank + qk_rope_head_dim] per token, per layer
+    ```
+    """
+
     name: str
     kind: str  # "full_attention"
-    block_size: int
+    block_size: int  # token positions per block
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    tensors_per_entry: int
+    entry_shape: tuple[int, ...]
     dtype_bytes: int
+    tokens_per_entry: int = 1
+
+    @property
+    def values_per_entry(self) -> int:
+        return math.prod(self.entry_shape)
+
+    @property
+    def entries_per_block(self) -> int:
+        return -(-self.block_size // self.tokens_per_entry)
 
     @property
     def bytes_per_block(self) -> int:
-        # K and V for every layer of the group
-        return (
-            2
-            * self.num_layers
-            * self.block_size
-            * self.num_kv_heads
-            * self.head_dim
-            * self.dtype_bytes
-        )
+        # every tensor of every layer of the group
+        per_entry = self.tensors_per_entry * self.values_per_entry * self.dtype_bytes
+        return self.num_layers * self.entries_per_block * per_entry
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_per_block / self.block_size
 
 
 class FullAttentionGroup:

@@ -2,7 +2,8 @@
 
 One `ArchConfig` covers the Llama family (Llama, Mistral, Qwen2, Qwen3): the
 same math switched by a few flags (q/k/v bias, q/k RMSNorm, tied embeddings,
-rope scaling).
+rope scaling). The DeepSeek V2 / V3 family adds its MLA / MoE parameters in
+`ArchConfig.deepseek` (`DeepseekParams`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # GGUF general.architecture -> HF architectures value
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -33,6 +37,68 @@ GGUF_ARCHITECTURES = {
 
 class UnsupportedModelError(ValueError):
     """The checkpoint is readable but not a family laneserve can run."""
+
+
+@dataclass(frozen=True)
+class DeepseekParams:
+    """MLA attention, routed MoE and MTP layers of the DeepSeek V2 / V3 layout."""
+
+    q_lora_rank: int | None  # None: a plain q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    first_k_dense_replace: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    topk_method: str  # "noaux_tc" (V3: sigmoid + bias), "greedy" / "group_limited_greedy" (V2)
+    rope_interleave: bool
+    num_nextn_predict_layers: int
+    attention_bias: bool
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token in the paged cache: the normed latent, then the rotated rope part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @staticmethod
+    def from_hf(arch: str, cfg: dict) -> DeepseekParams:
+        v3 = arch == "DeepseekV3ForCausalLM"
+        method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+        if method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+            raise UnsupportedModelError(f"{arch} with topk_method={method!r} is not supported")
+        q_lora = cfg.get("q_lora_rank")
+        return DeepseekParams(
+            q_lora_rank=int(q_lora) if q_lora else None,
+            kv_lora_rank=int(cfg["kv_lora_rank"]),
+            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+            v_head_dim=int(cfg["v_head_dim"]),
+            n_routed_experts=int(cfg["n_routed_experts"]),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            n_group=int(cfg.get("n_group") or 1),
+            topk_group=int(cfg.get("topk_group") or 1),
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            # NOTE: transformers' V2 router never renormalises the top-k weights
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if v3 else False,
+            topk_method=method,
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
+            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+        )
 
 
 @dataclass(frozen=True)
@@ -56,6 +122,7 @@ class ArchConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sliding_window: int | None = None
+    deepseek: DeepseekParams | None = None
 
     @staticmethod
     def from_hf(cfg: dict) -> ArchConfig:
@@ -95,6 +162,7 @@ class ArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(cfg),
+            deepseek=DeepseekParams.from_hf(arch, cfg) if arch in DEEPSEEK_ARCHITECTURES else None,
         )
 
     def inv_freq(self) -> torch.Tensor:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.model.arch import ArchConfig
 from laneserve.model.attention import AttentionMetadata, Kernels, paged_attention
 from laneserve.model.layers import GatedMLP, Linear, RMSNorm, Rotary
@@ -151,3 +152,46 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] fp32
         return self.lm_head(hidden).float()
+
+
+def cache_groups(
+    arch: ArchConfig, block_size: int, dtype_bytes: int, mtp_layers: int
+) -> list[CacheGroupSpec]:
+    """K and V per token and layer; the MTP head's layer gets a group of its own."""
+
+    def group(name: str, layers: int) -> CacheGroupSpec:
+        shape = (arch.num_kv_heads, arch.head_dim)
+        return CacheGroupSpec(name, "full_attention", block_size, layers, 2, shape, dtype_bytes)
+
+    groups = [group("main", arch.num_layers)]
+    if mtp_layers:
+        groups.append(group("mtp", mtp_layers))
+    return groups
+
+
+def weight_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """Expected shapes of the tensors config.json determines (checked at load)."""
+    h, q = arch.hidden_size, arch.num_heads * arch.head_dim
+    kv, inter = arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    mtp = f"model.layers.{arch.num_layers}"
+    shapes[f"{mtp}.eh_proj.weight"] = (h, 2 * h)
+    shapes[f"{mtp}.enorm.weight"] = shapes[f"{mtp}.hnorm.weight"] = (h,)
+    for i in range(arch.num_layers + 1):  # the last one is the MTP head's decoder layer
+        p = f"model.layers.{i}"
+        shapes.update(
+            {
+                f"{p}.self_attn.q_proj.weight": (q, h),
+                f"{p}.self_attn.k_proj.weight": (kv, h),
+                f"{p}.self_attn.v_proj.weight": (kv, h),
+                f"{p}.self_attn.o_proj.weight": (h, q),
+                f"{p}.mlp.gate_proj.weight": (inter, h),
+                f"{p}.mlp.up_proj.weight": (inter, h),
+                f"{p}.mlp.down_proj.weight": (h, inter),
+                f"{p}.input_layernorm.weight": (h,),
+                f"{p}.post_attention_layernorm.weight": (h,),
+            }
+        )
+    return shapes

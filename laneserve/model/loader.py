@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from laneserve.model import fp8
 from laneserve.model.arch import SUPPORTED_ARCHITECTURES, ArchConfig
 from laneserve.model.gguf import converted_dir
 
@@ -42,6 +43,7 @@ class Checkpoint:
     arch: ArchConfig
     weight_dtype: torch.dtype
     known_name: str | None = None  # set for the embedded default model
+    fp8_block: tuple[int, int] | None = None  # block-quantized fp8 weights (see fp8.py)
 
 
 def default_model_path() -> Path:
@@ -93,10 +95,12 @@ def resolve_checkpoint(model: str | None, dtype: str, device: torch.device) -> C
         directory = converted_dir(path, weight_dtype)
     else:
         directory = path
-    arch = ArchConfig.from_hf(_read_config(directory))
+    cfg = _read_config(directory)
+    arch = ArchConfig.from_hf(cfg)
+    fp8_block = fp8.block_size_of(cfg)
     weight_dtype = resolve_dtype(dtype, arch.torch_dtype, device)
     known = DEFAULT_MODEL_NAME if path.name == DEFAULT_MODEL_FILE else None
-    return Checkpoint(directory, str(model or path), arch, weight_dtype, known)
+    return Checkpoint(directory, str(model or path), arch, weight_dtype, known, fp8_block)
 
 
 def _read_config(directory: Path) -> dict:
@@ -145,7 +149,9 @@ class WeightStore:
                 self._files[file_name] = safe_open(str(self.directory / file_name), framework="pt")
             except Exception as e:
                 raise ModelLoadError(f"cannot open {self.directory / file_name}: {e}") from None
-        self.expected = _expected_shapes(ckpt.arch)
+        from laneserve.model.registry import family_for  # the families import this module
+
+        self.expected = family_for(ckpt.arch).weight_shapes(ckpt.arch)
         self.loaded = 0
         self._start = time.perf_counter()
 
@@ -181,20 +187,39 @@ class WeightStore:
             out.update(f.metadata() or {})
         return out
 
+    def _read(self, file: str, name: str) -> torch.Tensor:
+        try:
+            return self._files[file].get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"tensor {name!r} in {file} is corrupt: {e}") from None
+
+    def _dequantize(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        scale_name = f"{name}_scale_inv"
+        block = self.ckpt.fp8_block
+        if block is None or scale_name not in self._index:
+            raise ModelLoadError(
+                f"tensor {name!r} is fp8 without a block scale ({scale_name}) and an fp8 "
+                "quantization_config in config.json"
+            )
+        try:
+            return fp8.dequantize(tensor, self._read(self._index[scale_name], scale_name), block)
+        except ValueError as e:
+            raise ModelLoadError(f"tensor {name!r}: {e}") from None
+
     def raw(self, name: str) -> torch.Tensor:
         """A tensor as stored (no dtype change), e.g. integer index tensors."""
         return self._files[self._index[name]].get_tensor(name).to(self.device)
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The checked tensor, in `dtype` if given (else by rank, see the class)."""
         file = self._index.get(name)
         if file is None:
             raise ModelLoadError(
                 f"tensor {name!r} is missing from {self.directory} ({self.ckpt.arch.architecture})"
             )
-        try:
-            tensor = self._files[file].get_tensor(name)
-        except Exception as e:
-            raise ModelLoadError(f"tensor {name!r} in {file} is corrupt: {e}") from None
+        tensor = self._read(file, name)
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor = self._dequantize(name, tensor)
         want = self.expected.get(name)
         if want is not None and tuple(tensor.shape) != want:
             raise ModelLoadError(
@@ -202,34 +227,7 @@ class WeightStore:
             )
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ModelLoadError(f"tensor {name!r} in {file} contains NaN or Inf")
-        small = tensor.dim() == 1
-        dtype = self.act_dtype if small else self.ckpt.weight_dtype
+        if dtype is None:
+            dtype = self.act_dtype if tensor.dim() == 1 else self.ckpt.weight_dtype
         self.loaded += 1
         return tensor.to(device=self.device, dtype=dtype)
-
-
-def _expected_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
-    h, q = arch.hidden_size, arch.num_heads * arch.head_dim
-    kv, inter = arch.num_kv_heads * arch.head_dim, arch.intermediate_size
-    shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, h)
-    mtp = f"model.layers.{arch.num_layers}"
-    shapes[f"{mtp}.eh_proj.weight"] = (h, 2 * h)
-    shapes[f"{mtp}.enorm.weight"] = shapes[f"{mtp}.hnorm.weight"] = (h,)
-    for i in range(arch.num_layers + 1):  # the last one is the MTP head's decoder layer
-        p = f"model.layers.{i}"
-        shapes.update(
-            {
-                f"{p}.self_attn.q_proj.weight": (q, h),
-                f"{p}.self_attn.k_proj.weight": (kv, h),
-                f"{p}.self_attn.v_proj.weight": (kv, h),
-                f"{p}.self_attn.o_proj.weight": (h, q),
-                f"{p}.mlp.gate_proj.weight": (inter, h),
-                f"{p}.mlp.up_proj.weight": (inter, h),
-                f"{p}.mlp.down_proj.weight": (h, inter),
-                f"{p}.input_layernorm.weight": (h,),
-                f"{p}.post_attention_layernorm.weight": (h,),
-            }
-        )
-    return shapes

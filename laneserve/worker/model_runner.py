@@ -22,14 +22,19 @@ from dataclasses import dataclass, replace
 import torch
 
 from laneserve.model.attention import AttentionMetadata, PrefillSpan
+from laneserve.model.deepseek import DeepseekModel
 from laneserve.model.llama import LlamaModel
 from laneserve.protocol import RequestError, RequestOutput, StepResult, TokenLogprobs
 from laneserve.sample.step import Drafts, SampledStep, TreeRows, sample_step
 from laneserve.spec_decode.base import Proposer, StepView
+from laneserve.spec_decode.proposers import MtpProposer
 from laneserve.worker import side_rows
 from laneserve.worker.input_batch import SlotTable
+from laneserve.worker.kv_cache import KvCache
 from laneserve.worker.side_rows import KvStack, SideStep
 from laneserve.worker.step_inputs import StepInputs
+
+Model = LlamaModel | DeepseekModel
 
 
 class DeviceState:
@@ -86,8 +91,8 @@ class _Forward:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
-        kv_caches: list[list[tuple[torch.Tensor, torch.Tensor]]],  # per group, per layer
+        model: Model,
+        kv: KvCache,  # the paged cache: per group, per layer tensors (group 0: the target's)
         block_size: int,
         slots: SlotTable,
         device: torch.device,
@@ -95,19 +100,17 @@ class ModelRunner:
         max_spec: int,
         vocab_size: int,
         proposer: Proposer | None = None,
-        mtp_group: int | None = None,
-        kv_stacks: list[KvStack] | None = None,  # per group: the layers' caches stacked
         side_width: int = 0,  # alternatives per speculative row (token tree)
     ) -> None:
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_caches = kv.layers  # per group, per layer: (K, V) or (latent,)
         self.block_size = block_size
         self.slots = slots
         self.device = device
         self.vocab_size = vocab_size
         self.proposer = proposer
-        self.mtp_group = mtp_group
-        self.kv_stacks = kv_stacks
+        self.mtp_group = kv.group_index("mtp") if isinstance(proposer, MtpProposer) else None
+        self.kv_stacks: list[KvStack] = kv.stacks  # per group: the layers' caches stacked
         self.max_spec = max_spec
         self.state = DeviceState(device, max_model_len + max_spec + 2, max_spec, side_width)
         # Optional tap on every step's (inputs, ids, positions, hidden): the MTP

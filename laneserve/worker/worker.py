@@ -25,9 +25,8 @@ from laneserve import protocol
 from laneserve.config import EngineConfig
 from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.kernels import get_kernels
-from laneserve.model.llama import LlamaModel
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
-from laneserve.model.mtp import load_mtp_head
+from laneserve.model.registry import dtype_bytes, family_for
 from laneserve.obs.profiling import Tracer
 from laneserve.protocol import (
     CacheGroupInfo,
@@ -38,12 +37,11 @@ from laneserve.protocol import (
 from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
 from laneserve.worker.failures import StepFailure, failed_result, handles_of, salvage
 from laneserve.worker.input_batch import InputSlot, RequestTable
+from laneserve.worker.kv_cache import KvCache, num_blocks_for
 from laneserve.worker.model_runner import DeviceOutputs, ModelRunner
 from laneserve.worker.step_inputs import InputLayout, StepInputs, build_inputs
 
 log = logging.getLogger(__name__)
-
-DEFAULT_KV_CACHE_GIB = 2.0
 
 
 @dataclass
@@ -74,7 +72,8 @@ class Worker:
         self.max_spec = spec.depth if spec else 0
         self.side_width = spec.num_candidates - 1 if spec else 0  # token tree alternatives
         store = WeightStore(self.ckpt, self.device, self.act_dtype)
-        self.model = LlamaModel(
+        self.family = family_for(arch)
+        self.model = self.family.model_class(
             arch,
             self.kernels,
             store,
@@ -84,7 +83,7 @@ class Worker:
         )
         self.mtp = None
         if spec is not None and spec.method == "mtp":
-            self.mtp = load_mtp_head(
+            self.mtp = self.family.load_mtp(
                 store,
                 self.model,
                 self.kernels,
@@ -95,30 +94,21 @@ class Worker:
         self.block_size = config.cache.block_size
         self.groups = self._cache_groups()
         self.num_blocks = self._num_blocks()
-        # scratch KV slots for side rows (main group only): one per alternative and row
-        self.side_base = (self.num_blocks[0] + 1) * self.block_size  # first slot
-        side_slots = self.side_width * config.scheduler.max_num_seqs
-        extra = [-(-side_slots // self.block_size)] + [0] * (len(self.groups) - 1)
-        kv_stacks = [
-            self._allocate_cache(g, n, e)
-            for g, n, e in zip(self.groups, self.num_blocks, extra, strict=True)
-        ]
-        kv_caches = [list(zip(k.unbind(0), v.unbind(0), strict=True)) for k, v in kv_stacks]
+        self.kv = self._allocate_cache()
+        self.side_base = self.kv.side_base  # first side-row scratch slot (main group)
         self.table = RequestTable(
             len(self.groups), self.block_size, self.device, self.max_model_len
         )
         self.runner = ModelRunner(
             self.model,
-            kv_caches,
+            self.kv,
             self.block_size,
             self.table.slots,
             self.device,
             self.max_model_len,
             self.max_spec,
             arch.vocab_size,
-            proposer=self._proposer(kv_caches),
-            mtp_group=1 if self.mtp is not None else None,
-            kv_stacks=kv_stacks,
+            proposer=self._proposer(),
             side_width=self.side_width,
         )
         sched = config.scheduler
@@ -149,27 +139,12 @@ class Worker:
 
     # -- set-up ------------------------------------------------------------
     def _cache_groups(self) -> list[CacheGroupSpec]:
-        """The model's cache groups: its layers, plus the MTP layer's own cache."""
-        arch = self.ckpt.arch
-        dtype_bytes = torch.empty(0, dtype=self.ckpt.weight_dtype).element_size()
+        """The family's cache groups: its layers, plus the MTP layer's own cache."""
+        size = dtype_bytes(self.ckpt.weight_dtype)
+        mtp_layers = 1 if self.mtp is not None else 0
+        return self.family.cache_groups(self.ckpt.arch, self.block_size, size, mtp_layers)
 
-        def group(name: str, layers: int) -> CacheGroupSpec:
-            return CacheGroupSpec(
-                name,
-                "full_attention",
-                self.block_size,
-                layers,
-                arch.num_kv_heads,
-                arch.head_dim,
-                dtype_bytes,
-            )
-
-        groups = [group("main", arch.num_layers)]
-        if self.mtp is not None:
-            groups.append(group("mtp", 1))
-        return groups
-
-    def _proposer(self, kv_caches: list) -> NgramProposer | MtpProposer | None:
+    def _proposer(self) -> NgramProposer | MtpProposer | None:
         spec = self.config.speculative
         if spec is None:
             return None
@@ -178,10 +153,12 @@ class Worker:
         )
         if spec.method == "ngram":
             return lookup
+        mtp_group = self.kv.group_index("mtp")
+        assert mtp_group is not None
         return MtpProposer(
             self.mtp,
             spec.depth,
-            kv_caches[1][0],
+            self.kv.layers[mtp_group][0],
             self.block_size,
             self.side_width,
             lookup if spec.ngram_first else None,
@@ -189,37 +166,24 @@ class Worker:
 
     def _num_blocks(self) -> list[int]:
         cache = self.config.cache
-        per_block = sum(g.bytes_per_block for g in self.groups)
-        if cache.num_kv_blocks is not None:
-            n = cache.num_kv_blocks
-        else:
-            gib = cache.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB
-            n = int(gib * 2**30) // per_block
-        if n * self.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {n} blocks = {n * self.block_size} tokens, fewer than "
-                f"max_model_len={self.max_model_len}; raise --kv-cache-memory / --num-kv-blocks "
-                "or lower --max-model-len"
-            )
-        return [n for _ in self.groups]
-
-    def _allocate_cache(
-        self, group: CacheGroupSpec, n: int, extra: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every layer of the group, stacked: [layers, blocks, bs, Hk, D].
-
-        Block id n (one past the pool) is the scratch block that padded block-table
-        entries point at (draft positions past a row's blocks); blocks n + 1 .. n + extra
-        hold the side rows' scratch slots (see side_rows.py).
-        """
-        shape = (group.num_layers, n + 1 + extra, group.block_size)
-        shape += (group.num_kv_heads, group.head_dim)
-        dtype = self.ckpt.weight_dtype
-        # NOTE: torch.empty: pages are only touched when a block is first written.
-        return (
-            torch.empty(shape, dtype=dtype, device=self.device),
-            torch.empty(shape, dtype=dtype, device=self.device),
+        gib = cache.kv_cache_memory_gib
+        return num_blocks_for(
+            self.groups,
+            int(gib * 2**30) if gib else None,
+            cache.num_kv_blocks,
+            self.block_size,
+            self.max_model_len,
         )
+
+    def _allocate_cache(self) -> KvCache:
+        if self.side_width and not self.family.supports_side_rows:
+            raise ValueError(
+                f"{self.ckpt.arch.architecture} does not support token trees "
+                "(num_candidates > 1) in speculative decoding"
+            )
+        side_slots = self.side_width * self.config.scheduler.max_num_seqs
+        dtype = self.ckpt.weight_dtype
+        return KvCache.allocate(self.groups, self.num_blocks, side_slots, self.device, dtype)
 
     def ready(self) -> WorkerReady:
         return WorkerReady(

@@ -1,0 +1,116 @@
+"""DeepSeek V3 layout: laneserve vs transformers `generate`, and exact MTP vs no speculation.
+
+A random mid-size V3-layout checkpoint (MLA, routed MoE, yarn rope) is built once in a
+temporary directory; greedy generation of a fixed number of tokens (EOS ignored) at
+each batch size runs in laneserve and in transformers in the same process, and the
+ratios are printed. A second, 1-layer checkpoint whose MTP layer predicts the target
+exactly measures MTP (k = 1) against no speculation at batch 1.
+
+    .venv/bin/python benchmarks/bench_deepseek.py                 # bf16, batch 1 / 8 / 32
+    .venv/bin/python benchmarks/bench_deepseek.py --quick         # tiny fp32 smoke run
+
+Run from the repository root (the checkpoint builders live in tests/tiny_models.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from laneserve import LLM, SamplingParams
+from tests.tiny_models import build_exact_deepseek_mtp, build_tiny_deepseek
+
+MID = dict(
+    vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+    num_hidden_layers=8, first_k_dense_replace=1, num_attention_heads=16,
+    num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+    qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=32, num_experts_per_tok=4,
+    n_group=4, topk_group=2, n_shared_experts=1, max_position_embeddings=4096,
+    initializer_range=0.02,
+)  # fmt: skip
+QUICK = dict(vocab_size=2048)  # the tiny test config, a larger vocabulary
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def laneserve_tok_s(
+    model: Path, dtype: str, batch: list[list[int]], tokens: int, **kw: object
+) -> tuple[float, dict]:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    with LLM(str(model), dtype=dtype, enable_prefix_caching=False, **kw) as llm:
+        reqs = [{"prompt_token_ids": p} for p in batch]
+        llm.generate(reqs[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        start = time.perf_counter()
+        llm.generate(reqs, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        stats = llm.get_stats()
+    return len(batch) * tokens / elapsed, stats
+
+
+def transformers_tok_s(model: Path, dtype: str, batch: list[list[int]], tokens: int) -> float:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch_dtype).to(device).eval()
+    cfg = GenerationConfig(
+        do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, eos_token_id=None,
+        pad_token_id=0,
+    )  # fmt: skip
+    ids = torch.tensor(batch, device=device)  # equal lengths: no padding
+    with torch.no_grad():
+        hf.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=4)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return len(batch) * tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny fp32 config, batch 1 / 2")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = ap.parse_args()
+    cfg, dtype, batches = MID, args.dtype, [int(b) for b in args.batches.split(",")]
+    if args.quick:
+        cfg, dtype, batches, args.max_tokens = QUICK, "float32", [1, 2], 8
+    root = Path(tempfile.mkdtemp(prefix="ls-bench-deepseek-"))
+    model = build_tiny_deepseek(root / "v3", 3, seed=0, **cfg)
+    rows = []
+    for b in batches:
+        batch = prompts(b, args.prompt_len, cfg["vocab_size"])
+        ours, _ = laneserve_tok_s(model, dtype, batch, args.max_tokens)
+        theirs = transformers_tok_s(model, dtype, batch, args.max_tokens)
+        rows.append({"batch": b, "laneserve_tok_s": round(ours, 1),
+                     "transformers_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 2)})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    exact = build_exact_deepseek_mtp(root / "exact", **{**cfg, "num_nextn_predict_layers": 1})
+    one = prompts(1, args.prompt_len, cfg["vocab_size"], seed=1)
+    plain, _ = laneserve_tok_s(exact, dtype, one, args.max_tokens)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    mtp, stats = laneserve_tok_s(exact, dtype, one, args.max_tokens, speculative_config=spec)
+    accepted = stats["spec_num_accepted"] / max(stats["spec_num_drafts"], 1)
+    print(json.dumps({"mtp_k1_tok_s": round(mtp, 1), "no_spec_tok_s": round(plain, 1),
+                      "ratio": round(mtp / plain, 2), "acceptance": round(accepted, 3)}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

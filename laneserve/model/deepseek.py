@@ -1,0 +1,165 @@
+"""DeepSeek V2 / V3 decoder (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`).
+
+Each layer: RMSNorm -> MLA (`mla.py`) -> RMSNorm -> MLP; the first
+`first_k_dense_replace` layers have a dense gated MLP, the others the routed
+MoE with shared experts (`moe.py`). The paged cache has one MLA latent group
+(`cache_groups`). Inference only; weights come from an HF-named state dict
+(release layout: one tensor per expert).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from laneserve.core.kv_cache_manager import CacheGroupSpec
+from laneserve.model.arch import ArchConfig, DeepseekParams
+from laneserve.model.attention import AttentionMetadata
+from laneserve.model.layers import GatedMLP, Kernels, Linear, RMSNorm
+from laneserve.model.mla import MlaAttention
+from laneserve.model.moe import MoE
+from laneserve.model.rope import MlaRotary
+
+WeightGetter = Callable[[str], torch.Tensor]
+LayerCache = tuple[torch.Tensor, ...]
+
+
+def _params(arch: ArchConfig) -> DeepseekParams:
+    assert arch.deepseek is not None, "not a DeepSeek-layout architecture"
+    return arch.deepseek
+
+
+class DeepseekLayer:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        kernels: Kernels,
+        get: WeightGetter,
+        prefix: str,
+        rotary: MlaRotary,
+        dense: bool,
+    ) -> None:
+        eps = arch.rms_norm_eps
+        self.attn = MlaAttention(arch, kernels, get, prefix, rotary)
+        m = f"{prefix}.mlp"
+        if dense:
+            gate_up = torch.cat([get(f"{m}.gate_proj.weight"), get(f"{m}.up_proj.weight")])
+            self.mlp: GatedMLP | MoE = GatedMLP(kernels, gate_up, get(f"{m}.down_proj.weight"))
+        else:
+            self.mlp = MoE(_params(arch), kernels, get, m)
+        self.input_norm = RMSNorm(kernels, get(f"{prefix}.input_layernorm.weight"), eps)
+        self.post_norm = RMSNorm(kernels, get(f"{prefix}.post_attention_layernorm.weight"), eps)
+
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,  # [T, H] normed input of this layer
+        residual: torch.Tensor,  # [T, H] updated in place
+        cache: LayerCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        attn = self.attn(positions, hidden, cache, meta)
+        self.post_norm.add_(attn, residual)
+        return self.mlp(attn)
+
+
+class DeepseekModel:
+    """forward(ids, positions, meta, caches) -> (normed hidden, pre-norm hidden)."""
+
+    supports_async_prepare = True  # inputs are resolved on the device, as for Llama
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        kernels: Kernels,
+        get: WeightGetter,
+        device: torch.device,
+        act_dtype: torch.dtype,
+        max_positions: int,
+    ) -> None:
+        p = _params(arch)
+        self.arch, self.kernels, self.act_dtype = arch, kernels, act_dtype
+        self.embed_tokens = get("model.embed_tokens.weight")  # [V, H]
+        self.rotary = MlaRotary(
+            arch.rope_scaling or {"rope_theta": arch.rope_theta},
+            p.qk_rope_head_dim,
+            max_positions,
+            p.rope_interleave,
+            device,
+            act_dtype,
+        )
+        self.layers = [
+            DeepseekLayer(
+                arch, kernels, get, f"model.layers.{i}", self.rotary, i < p.first_k_dense_replace
+            )
+            for i in range(arch.num_layers)
+        ]
+        self.norm = RMSNorm(kernels, get("model.norm.weight"), arch.rms_norm_eps)
+        head = self.embed_tokens if arch.tie_word_embeddings else get("lm_head.weight")
+        self.lm_head = Linear(kernels, head, None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        caches: list[LayerCache],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, H]
+        residual = self.embed(input_ids)
+        hidden = self.layers[0].input_norm(residual)
+        for i, layer in enumerate(self.layers):
+            if i:
+                layer.input_norm.add_(hidden, residual)
+            hidden = layer(positions, hidden, residual, caches[i], meta)
+        self.norm.add_(hidden, residual)
+        return hidden, residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] fp32
+        return self.lm_head(hidden).float()
+
+
+def cache_groups(
+    arch: ArchConfig, block_size: int, dtype_bytes: int, mtp_layers: int
+) -> list[CacheGroupSpec]:
+    """One latent entry per token and layer; the MTP layers get a group of their own."""
+    p = _params(arch)
+
+    def group(name: str, layers: int) -> CacheGroupSpec:
+        return CacheGroupSpec(
+            name, "full_attention", block_size, layers, 1, (1, p.latent_dim), dtype_bytes
+        )
+
+    groups = [group("main", arch.num_layers)]
+    if mtp_layers:
+        groups.append(group("mtp", mtp_layers))
+    return groups
+
+
+def weight_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """Expected shapes of the tensors config.json determines (checked at load)."""
+    p, h = _params(arch), arch.hidden_size
+    heads, v = arch.num_heads, arch.vocab_size
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for i in range(arch.num_layers + p.num_nextn_predict_layers):
+        a = f"model.layers.{i}.self_attn"
+        shapes[f"{a}.kv_a_proj_with_mqa.weight"] = (p.latent_dim, h)
+        shapes[f"{a}.kv_b_proj.weight"] = (
+            heads * (p.qk_nope_head_dim + p.v_head_dim),
+            p.kv_lora_rank,
+        )
+        shapes[f"{a}.o_proj.weight"] = (h, heads * p.v_head_dim)
+        if p.q_lora_rank is None:
+            shapes[f"{a}.q_proj.weight"] = (heads * p.qk_head_dim, h)
+        else:
+            shapes[f"{a}.q_a_proj.weight"] = (p.q_lora_rank, h)
+            shapes[f"{a}.q_b_proj.weight"] = (heads * p.qk_head_dim, p.q_lora_rank)
+        if i >= p.first_k_dense_replace:
+            shapes[f"model.layers.{i}.mlp.gate.weight"] = (p.n_routed_experts, h)
+    return shapes

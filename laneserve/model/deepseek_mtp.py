@@ -1,0 +1,94 @@
+"""The DeepSeek checkpoint's own multi-token-prediction layer as a draft head.
+
+`num_nextn_predict_layers` layers follow the last decoder layer in the checkpoint
+(`model.layers.{num_hidden_layers}`); the first one drafts, reused for every depth:
+
+    x  = eh_proj(concat(enorm(embed(t[i+1])), hnorm(h[i])))   # h: the final-normed hidden
+    h' = shared_head.norm(block(x))                           # an MLA + MoE decoder layer
+    draft(t[i+2]) = argmax lm_head(h')
+
+The embedding and the LM head are the target's (the checkpoint's per-layer copies
+`embed_tokens` / `shared_head.head` are the same tensors, as transformers shares
+them). The block has its own MLA cache group. The head has the interface of
+`model/mtp.py`'s head, so the same proposer (`spec_decode/proposers.py`) runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from laneserve.model.arch import ArchConfig, UnsupportedModelError
+from laneserve.model.attention import AttentionMetadata
+from laneserve.model.deepseek import DeepseekLayer, DeepseekModel
+from laneserve.model.layers import Kernels, Linear, RMSNorm
+
+if TYPE_CHECKING:
+    from laneserve.model.loader import WeightStore
+
+WeightGetter = Callable[..., torch.Tensor]
+
+
+class DeepseekMtpHead:
+    def __init__(
+        self, arch: ArchConfig, kernels: Kernels, get: WeightGetter, base: DeepseekModel
+    ) -> None:
+        p = arch.deepseek
+        assert p is not None
+        prefix = f"model.layers.{arch.num_layers}"
+        eps = arch.rms_norm_eps
+        self.base, self.kernels = base, kernels
+        self.enorm = RMSNorm(kernels, get(f"{prefix}.enorm.weight"), eps)
+        self.hnorm = RMSNorm(kernels, get(f"{prefix}.hnorm.weight"), eps)
+        self.eh_proj = Linear(kernels, get(f"{prefix}.eh_proj.weight"), None)
+        dense = arch.num_layers < p.first_k_dense_replace
+        self.layer = DeepseekLayer(arch, kernels, get, prefix, base.rotary, dense)
+        self.norm = RMSNorm(kernels, get(f"{prefix}.shared_head.norm.weight"), eps)
+        self.head = base.lm_head
+        self.draft_vocab = None
+
+    def forward(
+        self,
+        next_tokens: torch.Tensor,  # [T] t[i+1] for each position i
+        hidden: torch.Tensor,  # [T, H] the target's (or the previous depth's) normed hidden
+        positions: torch.Tensor,  # [T] i
+        meta: AttentionMetadata,
+        cache: tuple[torch.Tensor, ...],  # the MTP group's (latent,)
+    ) -> torch.Tensor:  # [T, H] normed output (feeds the head and the next depth)
+        e = self.enorm(self.base.embed(next_tokens))
+        x = self.eh_proj(torch.cat([e, self.hnorm(hidden)], dim=-1))
+        residual = x
+        y = self.layer(positions, self.layer.input_norm(x), residual, cache, meta)
+        self.norm.add_(y, residual)
+        return y
+
+    def draft(self, normed: torch.Tensor, n: int = 1) -> torch.Tensor:  # [N, n] best first
+        return self.kernels.top_tokens(self.head(normed), n, None)
+
+
+def load_deepseek_mtp(
+    store: WeightStore,
+    base: DeepseekModel,
+    kernels: Kernels,
+    draft_weights: str | None,
+    quantize: str | None,
+) -> DeepseekMtpHead:
+    arch = store.ckpt.arch
+    if draft_weights:
+        raise UnsupportedModelError(
+            f"{arch.architecture}: the draft comes from the checkpoint's own MTP layer; "
+            "separate draft_weights are not supported for this family"
+        )
+    if quantize:
+        raise UnsupportedModelError(f"{arch.architecture}: MTP quantization is not supported")
+    name = f"model.layers.{arch.num_layers}.eh_proj.weight"
+    assert arch.deepseek is not None, "a DeepSeek checkpoint"
+    if not arch.deepseek.num_nextn_predict_layers or not store.has(name):
+        raise UnsupportedModelError(
+            f"{store.ckpt.source} carries no MTP layer ({name}; num_nextn_predict_layers="
+            f"{arch.deepseek.num_nextn_predict_layers}): speculative method 'mtp' needs one; "
+            'use "method": "ngram"'
+        )
+    return DeepseekMtpHead(arch, kernels, store, base)

@@ -1,0 +1,160 @@
+"""Multi-head latent attention (MLA) over a paged latent cache.
+
+Per token the cache keeps one entry of `kv_lora_rank + qk_rope_head_dim` values:
+the normed latent c (shared by all heads) and the rotated rope key k_pe.
+
+```
+ q      = q_b(norm(q_a(x)))  or  q_proj(x)          [T, H, nope + rope]
+ c, kpe = split(kv_a(x));  c = norm(c);  kpe = rope(kpe)
+ k_h    = [W_uk_h c ; kpe],   v_h = W_uv_h c          (W_uk, W_uv: rows of kv_b_proj)
+```
+A prompt chunk expands K and V from the latents and runs SDPA (as transformers
+does). A decode-like row uses the absorbed form, which never expands the cache:
+score_j = (W_uk_h^T q_nope_h) . c_j + q_pe_h . kpe_j and out_h = W_uv_h (sum_j p_j c_j).
+The glossary of decode-like / prefill rows is in `attention.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from laneserve.model.arch import ArchConfig
+from laneserve.model.attention import AttentionMetadata, PrefillSpan
+from laneserve.model.layers import Kernels, Linear, RMSNorm
+from laneserve.model.rope import MlaRotary, softmax_scale
+
+WeightGetter = Callable[[str], torch.Tensor]
+
+
+class MlaAttention:
+    def __init__(
+        self, arch: ArchConfig, kernels: Kernels, get: WeightGetter, prefix: str, rotary: MlaRotary
+    ) -> None:
+        p = arch.deepseek
+        assert p is not None
+        self.p, self.rotary, self.heads = p, rotary, arch.num_heads
+        eps = arch.rms_norm_eps
+        a = f"{prefix}.self_attn"
+
+        def bias(name: str) -> torch.Tensor | None:
+            return get(f"{a}.{name}.bias") if p.attention_bias else None
+
+        # q LoRA (q_a -> norm -> q_b) or a plain q_proj
+        self.q_a: Linear | None = None
+        self.q_norm: RMSNorm | None = None
+        if p.q_lora_rank is None:
+            self.q_proj = Linear(kernels, get(f"{a}.q_proj.weight"), None)
+        else:
+            self.q_a = Linear(kernels, get(f"{a}.q_a_proj.weight"), bias("q_a_proj"))
+            self.q_norm = RMSNorm(kernels, get(f"{a}.q_a_layernorm.weight"), eps)
+            self.q_proj = Linear(kernels, get(f"{a}.q_b_proj.weight"), None)
+        self.kv_a = Linear(
+            kernels, get(f"{a}.kv_a_proj_with_mqa.weight"), bias("kv_a_proj_with_mqa")
+        )
+        self.kv_norm = RMSNorm(kernels, get(f"{a}.kv_a_layernorm.weight"), eps)
+        kv_b = get(f"{a}.kv_b_proj.weight")  # [H * (nope + v), r]
+        self.kv_b = Linear(kernels, kv_b, None)
+        w = kv_b.view(self.heads, p.qk_nope_head_dim + p.v_head_dim, p.kv_lora_rank)
+        act = rotary.cos.dtype  # the absorbed decode multiplies activations by these
+        self.w_uk = w[:, : p.qk_nope_head_dim].to(act).contiguous()  # [H, nope, r]
+        self.w_uv = w[:, p.qk_nope_head_dim :].to(act).contiguous()  # [H, v, r]
+        self.o_proj = Linear(kernels, get(f"{a}.o_proj.weight"), bias("o_proj"))
+        self.scale = softmax_scale(arch.rope_scaling or {}, p.qk_head_dim)
+
+    def __call__(
+        self,
+        positions: torch.Tensor,  # [T]
+        x: torch.Tensor,  # [T, H_model] normed input
+        cache: tuple[torch.Tensor, ...],  # (latent [blocks, bs, 1, r + rope],)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        p, t = self.p, x.shape[0]
+        q_in = x
+        if self.q_a is not None:
+            assert self.q_norm is not None  # both come with q LoRA
+            q_in = self.q_norm(self.q_a(x))
+        q = self.q_proj(q_in).view(t, self.heads, p.qk_head_dim)
+        q_nope, q_pe = q[..., : p.qk_nope_head_dim], q[..., p.qk_nope_head_dim :]
+        q_pe = self.rotary(positions, q_pe)
+        ckv = self.kv_a(x)
+        c = self.kv_norm(ckv[:, : p.kv_lora_rank].contiguous())
+        k_pe = self.rotary(positions, ckv[:, None, p.kv_lora_rank :])[:, 0]
+        latent = torch.cat([c, k_pe], dim=-1)  # [T, r + rope]
+        (store,) = cache
+        flat = store.view(-1, p.latent_dim)
+        flat.index_copy_(0, meta.slot_mapping, latent.to(store.dtype))
+        out = torch.empty((t, self.heads, p.v_head_dim), dtype=x.dtype, device=x.device)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], store, meta)
+        for span in meta.prefills:
+            rows = slice(span.token_start, span.token_start + span.num_tokens)
+            out[rows] = self._prefill(q_nope[rows], q_pe[rows], latent[rows], store, span)
+        return self.o_proj(out.view(t, self.heads * p.v_head_dim))
+
+    def _prefill(
+        self,
+        q_nope: torch.Tensor,  # [n, H, nope]
+        q_pe: torch.Tensor,  # [n, H, rope]
+        latent: torch.Tensor,  # [n, r + rope] this chunk's entries
+        store: torch.Tensor,
+        span: PrefillSpan,
+    ) -> torch.Tensor:  # [n, H, v]
+        p, mask = self.p, None
+        if span.context_len:
+            total = span.context_len + span.num_tokens
+            blocks = store.index_select(0, span.block_ids).flatten(0, 1)  # [nb * bs, 1, D]
+            latent = blocks[:total, 0].to(q_nope.dtype)
+            q_pos = torch.arange(span.context_len, total, device=q_nope.device)
+            mask = torch.arange(total, device=q_nope.device)[None, :] <= q_pos[:, None]
+        n_keys = latent.shape[0]
+        kv = self.kv_b(latent[:, : p.kv_lora_rank].contiguous())
+        kv = kv.view(n_keys, self.heads, p.qk_nope_head_dim + p.v_head_dim)
+        k_pe = latent[:, None, p.kv_lora_rank :].expand(-1, self.heads, -1)
+        k = torch.cat([kv[..., : p.qk_nope_head_dim], k_pe], dim=-1)
+        v = kv[..., p.qk_nope_head_dim :]
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+        )
+        return o.squeeze(0).transpose(0, 1)
+
+    def _decode(
+        self,
+        q_nope: torch.Tensor,  # [nd, H, nope]
+        q_pe: torch.Tensor,  # [nd, H, rope]
+        store: torch.Tensor,  # [blocks, bs, 1, r + rope]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [nd, H, v]
+        """Absorbed form over each row's blocks; no host synchronisation."""
+        p, nd = self.p, q_nope.shape[0]
+        if meta.decode_last_slot is not None:
+            raise NotImplementedError("MLA does not take token-tree side rows")
+        assert meta.decode_query_start_loc is not None and meta.decode_seq_lens is not None
+        assert meta.decode_block_tables is not None  # a decode step has them all
+        starts = meta.decode_query_start_loc.to(torch.int64)  # [S + 1]
+        tok = torch.arange(nd, device=q_nope.device)
+        seq = torch.searchsorted(starts[1:], tok, right=True)  # [nd] the token's sequence
+        # keys visible to token i: seq_len - (tokens of its sequence after it)
+        limit = meta.decode_seq_lens.to(torch.int64).index_select(0, seq) - (
+            starts.index_select(0, seq + 1) - tok
+        )  # [nd] = its position
+        tables = meta.decode_block_tables.to(torch.int64).index_select(0, seq)  # [nd, nb]
+        keys = store.index_select(0, tables.flatten()).view(nd, -1, p.latent_dim)
+        keys = keys.to(q_nope.dtype)  # [nd, L, r + rope]
+        c, k_pe = keys[..., : p.kv_lora_rank], keys[..., p.kv_lora_rank :]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)  # [nd, H, r]
+        scores = torch.bmm(q_lat, c.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2))
+        visible = torch.arange(keys.shape[1], device=keys.device)[None, :] <= limit[:, None]
+        scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)  # [nd, H, L]
+        o_lat = torch.bmm(probs, c)  # [nd, H, r]
+        return torch.einsum("thr,hvr->thv", o_lat, self.w_uv)

@@ -1,0 +1,114 @@
+"""Routed mixture of experts of the DeepSeek family, with shared experts.
+
+Routing runs in fp32. `noaux_tc` (V3): sigmoid scores; the correction bias is
+added for *selection* only; each group scores the sum of its top-2 biased
+scores; the `topk_group` best groups are kept and the top-k experts chosen
+among them; weights are the unbiased scores (renormalised with
+`norm_topk_prob`), times `routed_scaling_factor`. `greedy` /
+`group_limited_greedy` (V2): softmax scores, groups scored by their maximum.
+
+Experts run as grouped work: the (token, expert) pairs are sorted by expert,
+each expert multiplies its contiguous slice, and the weighted results are
+summed back per token in expert order (the order transformers adds them in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from laneserve.model.arch import DeepseekParams
+from laneserve.model.layers import GatedMLP, Kernels, Linear
+
+WeightGetter = Callable[..., torch.Tensor]  # (name[, dtype]) -> tensor
+
+
+def route(
+    logits: torch.Tensor,  # [T, E] fp32
+    bias: torch.Tensor | None,  # [E] fp32 (noaux_tc)
+    p: DeepseekParams,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] fp32, expert ids [T, k]
+    n, e = logits.shape
+    if p.topk_method == "noaux_tc":
+        scores = logits.sigmoid()
+        assert bias is not None, "noaux_tc routing has a score-correction bias"
+        choice = scores + bias
+        groups = choice.view(n, p.n_group, e // p.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        choice = _mask_groups(choice, groups, p, float("-inf"))
+        ids = torch.topk(choice, k=p.num_experts_per_tok, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+    else:
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if p.topk_method == "group_limited_greedy":
+            groups = scores.view(n, p.n_group, e // p.n_group).max(dim=-1).values
+            scores = _mask_groups(scores, groups, p, 0.0)
+        weights, ids = torch.topk(scores, k=p.num_experts_per_tok, dim=-1, sorted=False)
+    if p.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * p.routed_scaling_factor, ids
+
+
+def _mask_groups(
+    scores: torch.Tensor, group_scores: torch.Tensor, p: DeepseekParams, fill: float
+) -> torch.Tensor:
+    keep = torch.topk(group_scores, k=p.topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0).bool()  # [T, G]
+    mask = mask[:, :, None].expand(-1, -1, scores.shape[1] // p.n_group).reshape(scores.shape)
+    return scores.masked_fill(~mask, fill)
+
+
+class MoE:
+    def __init__(self, p: DeepseekParams, kernels: Kernels, get: WeightGetter, prefix: str) -> None:
+        self.p = p
+        # NOTE: the router stays in fp32 whatever the run dtype (as transformers keeps it)
+        self.gate = get(f"{prefix}.gate.weight", torch.float32)  # [E, H]
+        self.bias = None
+        if p.topk_method == "noaux_tc":
+            self.bias = get(f"{prefix}.gate.e_score_correction_bias", torch.float32)
+        x = f"{prefix}.experts"
+        # per expert: gate and up rows fused (one matmul), then down; through the kernels,
+        # which keep bf16 weights as they are and accumulate in fp32 on CPU
+        self.w13 = [
+            Linear(
+                kernels,
+                torch.cat([get(f"{x}.{i}.gate_proj.weight"), get(f"{x}.{i}.up_proj.weight")]),
+                None,
+            )
+            for i in range(p.n_routed_experts)
+        ]
+        self.w2 = [
+            Linear(kernels, get(f"{x}.{i}.down_proj.weight"), None)
+            for i in range(p.n_routed_experts)
+        ]
+        self.kernels = kernels
+        self.shared = None
+        if p.n_shared_experts:
+            s = f"{prefix}.shared_experts"
+            gate_up = torch.cat([get(f"{s}.gate_proj.weight"), get(f"{s}.up_proj.weight")])
+            self.shared = GatedMLP(kernels, gate_up, get(f"{s}.down_proj.weight"))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
+        logits = x.float() @ self.gate.t()
+        weights, ids = route(logits, self.bias, self.p)
+        out = self.experts(x, weights, ids)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        tokens = order // k
+        # NOTE: the per-expert split sizes are read on the host (one sync per MoE layer);
+        # pure-torch grouped work needs them to slice.
+        counts = torch.bincount(flat, minlength=self.p.n_routed_experts).tolist()
+        xs = x.index_select(0, tokens)
+        outs = []
+        for e, chunk in enumerate(torch.split(xs, counts)):
+            if chunk.shape[0] == 0:
+                continue
+            outs.append(self.w2[e](self.kernels.silu_and_mul(self.w13[e](chunk))))
+        y = torch.cat(outs) * weights.flatten().index_select(0, order)[:, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, y)

@@ -1,0 +1,96 @@
+"""Model registry: HF `architectures` value -> the family that runs it.
+
+A family names its model class (`forward(ids, positions, meta, caches)`,
+`compute_logits`, `embed`), its cache groups (`CacheGroupSpec`: the layout the
+worker allocates and the engine core accounts), the tensor shapes config.json
+fixes (checked at load), and how its MTP draft layer is loaded. Adding a family
+is one model file and one entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from laneserve.core.kv_cache_manager import CacheGroupSpec
+from laneserve.model import deepseek, llama
+from laneserve.model.arch import ArchConfig, UnsupportedModelError
+from laneserve.model.layers import Kernels
+
+# (arch, block_size, dtype_bytes, mtp_layers) -> groups; the target's group comes first
+CacheGroupsFn = Callable[[ArchConfig, int, int, int], list[CacheGroupSpec]]
+# (store, model, kernels, draft_weights, known_name, quantization) -> MTP head
+MtpLoader = Callable[[Any, Any, Kernels, str | None, str | None, str | None], Any]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    architectures: tuple[str, ...]
+    model_class: type  # (arch, kernels, weights, device, act_dtype, max_positions)
+    cache_groups: CacheGroupsFn
+    weight_shapes: Callable[[ArchConfig], dict[str, tuple[int, ...]]]
+    load_mtp: MtpLoader
+    # token-tree side rows need a K/V cache the side-row scratch logic can copy
+    supports_side_rows: bool = True
+
+
+def _llama_mtp(
+    store: Any,
+    model: Any,
+    kernels: Kernels,
+    draft_weights: str | None,
+    known_name: str | None,
+    quantize: str | None,
+) -> Any:
+    from laneserve.model.mtp import load_mtp_head  # imports the loader, which imports us
+
+    return load_mtp_head(store, model, kernels, draft_weights, known_name, quantize)
+
+
+def _deepseek_mtp(
+    store: Any,
+    model: Any,
+    kernels: Kernels,
+    draft_weights: str | None,
+    known_name: str | None,
+    quantize: str | None,
+) -> Any:
+    from laneserve.model.deepseek_mtp import load_deepseek_mtp
+
+    return load_deepseek_mtp(store, model, kernels, draft_weights, quantize)
+
+
+FAMILIES = (
+    ModelFamily(
+        "llama",
+        ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+        llama.LlamaModel,
+        llama.cache_groups,
+        llama.weight_shapes,
+        _llama_mtp,
+    ),
+    ModelFamily(
+        "deepseek",
+        ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+        deepseek.DeepseekModel,
+        deepseek.cache_groups,
+        deepseek.weight_shapes,
+        _deepseek_mtp,
+        supports_side_rows=False,
+    ),
+)
+
+
+def family_for(arch: ArchConfig) -> ModelFamily:
+    for family in FAMILIES:
+        if arch.architecture in family.architectures:
+            return family
+    raise UnsupportedModelError(f"no model family runs {arch.architecture!r}")
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
