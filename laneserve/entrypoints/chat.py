@@ -21,9 +21,11 @@ HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D); Ctrl-C st
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive chat in the terminal, streaming the replies")
     p.add_argument("--system", default=None, help="a system message that opens the conversation")
-    p.add_argument("--max-tokens", type=int, default=512, help="reply limit (default: 512)")
-    p.add_argument("--temperature", type=float, default=0.7, help="default: 0.7 (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=0.9, help="default: 0.9")
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens in one reply")
+    p.add_argument(
+        "--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)"
+    )
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (1: off)")
     p.add_argument(
         "--ignore-eos", action="store_true", help="reply until --max-tokens (for benchmarking)"
     )

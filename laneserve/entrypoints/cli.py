@@ -87,7 +87,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--no-stream",
         dest="stream",
         action="store_false",
-        help="print the text when generation ends (default: stream it as it is generated)",
+        help="print the text when generation ends instead of streaming it",
     )
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_generate)
