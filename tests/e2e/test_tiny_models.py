@@ -114,14 +114,14 @@ def test_text_prompts_chat_and_stop_strings(tiny_models: dict[str, Path]) -> Non
         stop = next(
             (text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].strip()), None
         )
-        if stop is not None:
-            cut = llm.generate(
-                "The old lighthouse",
-                SamplingParams(temperature=0, max_tokens=16, stop=[stop]),
-                use_tqdm=False,
-            )[0].outputs[0]
-            assert cut.finish_reason == "stop" and cut.stop_reason == stop
-            assert cut.text == text[: text.index(stop)]
+        assert stop is not None, f"no stop string found in {text!r}"
+        cut = llm.generate(
+            "The old lighthouse",
+            SamplingParams(temperature=0, max_tokens=16, stop=[stop]),
+            use_tqdm=False,
+        )[0].outputs[0]
+        assert cut.finish_reason == "stop" and cut.stop_reason == stop
+        assert cut.text == text[: text.index(stop)]
         chat = llm.chat(
             [{"role": "user", "content": "hello"}],
             SamplingParams(temperature=0, max_tokens=4),
