@@ -24,6 +24,9 @@ CORPUS = [
 ] * 20
 
 
+MISTRAL_WINDOW = 40
+
+
 def build_tokenizer(out: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -53,6 +56,8 @@ def build_tiny_model(out: Path, family: str, *, seed: int = 0, tie: bool = False
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -97,6 +102,19 @@ def build_tiny_model(out: Path, family: str, *, seed: int = 0, tie: bool = False
         )
     elif family == "qwen3":
         cfg, cls = Qwen3Config(**common, head_dim=16), Qwen3ForCausalLM
+    elif family == "qwen3-gguf":  # transformers reads a qwen3 GGUF with its default head_dim
+        cfg, cls = Qwen3Config(**common, head_dim=128), Qwen3ForCausalLM
+    elif family == "llama-linear":  # linear rope scaling (position interpolation)
+        rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+        cfg, cls = LlamaConfig(**common, head_dim=16, rope_parameters=rope), LlamaForCausalLM
+    elif family == "mistral":  # a sliding window far below max_position_embeddings
+        cfg = MistralConfig(
+            **common,
+            head_dim=16,
+            sliding_window=MISTRAL_WINDOW,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+        cls = MistralForCausalLM
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
@@ -381,3 +399,105 @@ def build_exact_deepseek_mtp(out: Path, seed: int = 0, **overrides: object) -> P
     w["model.layers.0.self_attn.o_proj.weight"].zero_()
     save_file(w, str(out / "model.safetensors"))
     return add_mtp_layer(out, exact_of=0)
+
+
+# HF layer-part names -> llama.cpp GGUF names
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_TOP_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+
+
+def write_tiny_gguf(model_dir: Path, out: Path, arch: str | None = None) -> Path:
+    """An F32 GGUF of an HF checkpoint, written the way llama.cpp's converter writes
+    one: llama.cpp tensor names, the rotary row interleave of q/k for llama / mistral,
+    hyperparameters and a byte-level BPE ("gpt2") tokenizer as metadata. `arch`
+    overrides general.architecture (llama.cpp writes most Mistral files as "llama")."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = arch or cfg["model_type"]
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(f"tiny-{cfg['model_type']}")
+    _gguf_hparams(writer, cfg)
+    _gguf_tokenizer(writer, model_dir, cfg)
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+        array = tensor.float().numpy()
+        if arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            array = _gguf_permute(array, heads)
+        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _gguf_hparams(writer, cfg: dict) -> None:
+    rope = cfg.get("rope_parameters") or {}
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_file_type(0)  # all F32
+
+
+def _gguf_tokenizer(writer, model_dir: Path, cfg: dict) -> None:
+    import json
+
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok.get("added_tokens", [])}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])  # control / normal
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    writer.add_pad_token_id(cfg["pad_token_id"])
+
+
+def _gguf_name(hf_name: str) -> str:
+    stem, _, kind = hf_name.rpartition(".")
+    if stem in _GGUF_TOP_NAMES:
+        return f"{_GGUF_TOP_NAMES[stem]}.{kind}"
+    _, _, layer, part = stem.split(".", 3)  # model.layers.<i>.<part>
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+
+
+def _gguf_permute(w, heads: int):
+    """llama.cpp's rotary row interleave of q/k (the inverse of what loaders undo)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

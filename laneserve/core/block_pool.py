@@ -76,8 +76,11 @@ class BlockPool:
 
     def free_blocks(self, blocks_in_eviction_order: Iterable[KVBlock]) -> None:
         for block in blocks_in_eviction_order:
+            # NOTE: a real check, not an assert: a double free under `python -O`
+            # would put a block in the free queue while a request still uses it.
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block.block_id} freed twice")
             block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 

@@ -47,8 +47,11 @@ def test_ref_counts_and_double_free() -> None:
     assert pool.num_free_blocks == 1 and b.ref_cnt == 1
     pool.free_blocks([b])
     assert pool.num_free_blocks == 2
-    with pytest.raises(AssertionError):
+    with pytest.raises(RuntimeError, match="block 0 freed twice"):
         pool.free_blocks([b])
+    # the failed free changed nothing: the block stays free exactly once
+    assert b.ref_cnt == 0 and pool.num_free_blocks == 2
+    assert sorted(x.block_id for x in pool.get_new_blocks(2)) == [0, 1]
 
 
 def test_first_writer_wins_for_identical_blocks() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from laneserve import LLM, SamplingParams
-from tests.tiny_models import hf_greedy
+from tests.tiny_models import MISTRAL_WINDOW, build_tiny_model, hf_greedy
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -114,17 +114,50 @@ def test_text_prompts_chat_and_stop_strings(tiny_models: dict[str, Path]) -> Non
         stop = next(
             (text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].strip()), None
         )
-        if stop is not None:
-            cut = llm.generate(
-                "The old lighthouse",
-                SamplingParams(temperature=0, max_tokens=16, stop=[stop]),
-                use_tqdm=False,
-            )[0].outputs[0]
-            assert cut.finish_reason == "stop" and cut.stop_reason == stop
-            assert cut.text == text[: text.index(stop)]
+        assert stop is not None, f"no stop string found in {text!r}"
+        cut = llm.generate(
+            "The old lighthouse",
+            SamplingParams(temperature=0, max_tokens=16, stop=[stop]),
+            use_tqdm=False,
+        )[0].outputs[0]
+        assert cut.finish_reason == "stop" and cut.stop_reason == stop
+        assert cut.text == text[: text.index(stop)]
         chat = llm.chat(
             [{"role": "user", "content": "hello"}],
             SamplingParams(temperature=0, max_tokens=4),
             use_tqdm=False,
         )
         assert len(chat[0].outputs[0].token_ids) >= 1
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny Mistral (sliding window 40) and Llama with linear rope scaling (factor 4)."""
+    root = tmp_path_factory.mktemp("variants")
+    return {
+        "mistral": build_tiny_model(root / "mistral", "mistral", seed=7),
+        "llama-linear": build_tiny_model(root / "llama-linear", "llama-linear", seed=9),
+    }
+
+
+def test_mistral_within_its_sliding_window_matches_hf(variants: dict[str, Path]) -> None:
+    """Within the window, sliding-window attention is causal attention: laneserve caps
+    max_model_len to the window and matches transformers up to its last position."""
+    d = variants["mistral"]
+    prompts = mixed_prompts(4, seed=8, lo=8, hi=20)
+    n = MISTRAL_WINDOW - max(len(p) for p in prompts)  # the longest reaches the window's end
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    with LLM(str(d), dtype="float32") as llm:
+        assert llm.engine.max_model_len == MISTRAL_WINDOW
+        got = run(llm, prompts, params)
+        with pytest.raises(ValueError, match="max_model_len is 40"):
+            llm.generate({"prompt_token_ids": [5] * MISTRAL_WINDOW}, params, use_tqdm=False)
+    check_against_hf(d, prompts, got, n)
+
+
+def test_linear_rope_scaling_matches_hf(variants: dict[str, Path]) -> None:
+    d = variants["llama-linear"]
+    prompts = mixed_prompts(4, seed=9, lo=20, hi=60)
+    with LLM(str(d), dtype="float32") as llm:
+        got = run(llm, prompts)
+    check_against_hf(d, prompts, got, 24)
