@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import statistics
 import sys
@@ -76,6 +77,9 @@ class Result:
 
 
 def run(ns: argparse.Namespace) -> int:
+    # one INFO line per request from the HTTP client would scroll through the progress bar
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     return asyncio.run(_main(ns))
 
 

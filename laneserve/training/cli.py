@@ -32,7 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="soft: match the target's whole distribution of t[i+2]; hard: its argmax only",
     )
     p.add_argument(
-        "--holdout", type=int, default=32, help="sequences from unseen prompts to measure top-1 on"
+        "--holdout",
+        type=int,
+        default=None,
+        help="sequences from unseen prompts to measure top-1 on (None: num-prompts / 8, 1 to 32)",
     )
     p.add_argument(
         "--train-dtype",

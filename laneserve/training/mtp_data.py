@@ -86,8 +86,9 @@ def generate_samples(
         samples, done = shards.load(prompts, max_new_tokens)
         if done:
             log.info("%s: resumed %d of %d prompts from %s", desc, done, len(prompts), shards.path)
+    bar = tqdm(total=len(prompts), initial=done, desc=desc, unit="prompt")
     try:
-        for start in tqdm(range(done, len(prompts), batch), desc=desc, unit="batch"):
+        for start in range(done, len(prompts), batch):
             chunk = prompts[start : start + batch]
             ids = [prompt_ids(tok, text, chat) for text, chat in chunk]
             handles_before = set(tap.rows)
@@ -101,7 +102,9 @@ def generate_samples(
             if shards:
                 shards.save(start, chunk, max_new_tokens, got)
             samples += got
+            bar.update(len(chunk))
     finally:
+        bar.close()
         runner.capture = None
     log.info(
         "collected %d sequences, %d positions", len(samples), sum(len(s.tokens) for s in samples)

@@ -4,6 +4,7 @@ autograd ops over whole padded sequences with causal attention."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -152,6 +153,15 @@ class MtpTrainModule(nn.Module):
         out["draft_vocab"] = self.draft_vocab.to(torch.int64).contiguous()
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(out, str(path), metadata=metadata)
+        _normal_file_mode(path)
+
+
+def _normal_file_mode(path: Path) -> None:
+    """The mode a plainly created file gets (safetensors writes through a private
+    temporary file, mode 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -99,11 +99,29 @@ def run(ns: argparse.Namespace) -> int:
         ),
     }
     module.export(out, meta)
-    print(json.dumps({"out": str(out), **meta}))
+    print(json.dumps({"out": str(out), **{k: _number_or_text(v) for k, v in meta.items()}}))
     return 0
 
 
+def _number_or_text(value: str) -> int | float | str:
+    """Metadata values are text in the file; the printed summary shows numbers as numbers."""
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def default_holdout(num_prompts: int) -> int:
+    """Held-out sequences: an eighth of the training prompts, at least 1 and at most 32,
+    so that a small run does not spend most of its time on held-out data."""
+    return max(1, min(32, num_prompts // 8))
+
+
 def _check_counts(ns: argparse.Namespace) -> None:
+    if ns.holdout is None:
+        ns.holdout = default_holdout(ns.num_prompts)
     if not 0.0 <= ns.lookup_weight <= 1.0:
         raise ValueError(f"--lookup-weight must be in [0, 1], got {ns.lookup_weight}")
     most_train, most_held = len(training_prompts(10**9)), len(heldout_prompts(10**9))

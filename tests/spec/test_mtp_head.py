@@ -76,7 +76,7 @@ def test_train_mtp_cli_resumes_and_produces_a_working_head(
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
     info = json.loads(first.stdout.strip().splitlines()[-1])
-    assert int(info["trained_positions"]) > 0 and info["draft_vocab"] == "200"
+    assert info["trained_positions"] > 0 and info["draft_vocab"] == 200  # numbers, not text
     # resumed with mixed precision from the checkpoint on
     again_args = ["--epochs", "2", "--draft-vocab", "200", "--dtype", "float32", "--resume"]
     again = subprocess.run(
@@ -295,3 +295,25 @@ def test_distill_loss_weights_positions(tiny_models: dict[str, Path]) -> None:
         plain = distill_loss(module, nxt, hid, tgt, "soft")
     torch.testing.assert_close(got, (per[0] + 0.25 * per[1] + 0.25 * per[2]) / 1.5)
     torch.testing.assert_close(ones, plain)
+
+
+def test_train_mtp_holdout_scales_with_the_prompts() -> None:
+    from laneserve.training.train_mtp import default_holdout
+
+    assert [default_holdout(n) for n in (1, 8, 40, 256, 3200)] == [1, 1, 5, 32, 32]
+
+
+def test_exported_head_has_a_normal_file_mode(tmp_path: Path) -> None:
+    import os
+
+    from laneserve.training.mtp_module import _normal_file_mode
+
+    f = tmp_path / "head.safetensors"
+    f.write_bytes(b"x")
+    f.chmod(0o600)
+    umask = os.umask(0o022)
+    try:
+        _normal_file_mode(f)
+    finally:
+        os.umask(umask)
+    assert f.stat().st_mode & 0o777 == 0o644
