@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import subprocess
@@ -79,9 +80,11 @@ async def one(client: httpx.AsyncClient, rng: random.Random, model: str, m: Minu
     leave = rng.random() < 0.15  # a client that goes away early
     m.sent += 1
     start = time.monotonic()
+    # NOTE: json.dumps escapes lone surrogates (httpx's json= would fail on them)
+    kw = {"content": json.dumps(body).encode(), "headers": {"content-type": "application/json"}}
     try:
         if body.get("stream"):
-            async with client.stream("POST", path, json=body) as r:
+            async with client.stream("POST", path, **kw) as r:
                 events = 0
                 async for line in r.aiter_lines():
                     events += line.startswith("data: ")
@@ -90,7 +93,7 @@ async def one(client: httpx.AsyncClient, rng: random.Random, model: str, m: Minu
                 status = r.status_code
         else:
             timeout = 0.2 if leave else 300
-            r = await client.post(path, json=body, timeout=timeout)
+            r = await client.post(path, timeout=timeout, **kw)
             status = r.status_code
     except httpx.TimeoutException:
         status = "left"
