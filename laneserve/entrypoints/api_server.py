@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -30,6 +30,7 @@ from laneserve.core.engine_core import EngineDeadError, QueueFullError
 from laneserve.entrypoints import responses as R
 from laneserve.entrypoints.middleware import GuardMiddleware, error_json
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from laneserve.entrypoints.streams import SSEResponse, client_left, close_all, merged
 from laneserve.frontend.async_llm import AsyncLLM, EngineStoppedError
 from laneserve.frontend.output_processor import Delta
 from laneserve.obs.metrics import ServerMetrics
@@ -198,7 +199,7 @@ async def _serve(
     ctx = R.Context(rid, state.model_name, int(time.time()), chat, body, prompts, params.n)
     streams = await _admit(state, rid, prompts, params)
     if body.stream:
-        return _SSEResponse(_sse(state, ctx, streams), streams)
+        return SSEResponse(_sse(state, ctx, streams), streams)
     return await _collect(state, request, ctx, streams)
 
 
@@ -211,63 +212,9 @@ async def _admit(
     streams = [r for r in results if not isinstance(r, BaseException)]
     error = next((r for r in results if isinstance(r, BaseException)), None)
     if error is not None:
-        await _close_all(streams)
+        await close_all(streams)
         raise _error_for(error) from None
     return streams
-
-
-async def _close_all(streams: list) -> None:
-    for s in streams:
-        await s.aclose()  # NOTE: aborts the request unless it finished
-
-
-class _SSEResponse(StreamingResponse):
-    """An SSE response that closes (aborts) its streams however it ends, even
-    when the client left before the first chunk was asked for."""
-
-    def __init__(self, content: AsyncIterator[bytes], streams: list) -> None:
-        super().__init__(content, media_type="text/event-stream")
-        self.streams = streams
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await _close_all(self.streams)
-
-
-async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """Interleave the per-prompt streams as their deltas arrive."""
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s) -> None:
-        # NOTE: each pump owns its stream: closing it here (also on cancel) aborts it
-        try:
-            async for d in s:
-                await q.put((i, d))
-            await q.put((i, None))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            await q.put((i, e))
-        finally:
-            await s.aclose()
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    live = len(tasks)
-    try:
-        while live:
-            i, item = await q.get()
-            if item is None:
-                live -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _error_for(e: BaseException) -> APIError:
@@ -287,12 +234,12 @@ async def _collect(state: ServerState, request: Request, ctx: R.Context, streams
     clock: dict[int, float] = {}
 
     async def run() -> None:
-        async for i, d in _merged(streams):
+        async for i, d in merged(streams):
             acc.add(i, d)
             _record(state, d, clock)
 
     task = asyncio.create_task(run())
-    gone = asyncio.create_task(_client_left(request))
+    gone = asyncio.create_task(client_left(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():  # the client left: cancelling closes (aborts) the streams
@@ -310,18 +257,12 @@ async def _collect(state: ServerState, request: Request, ctx: R.Context, streams
     return JSONResponse(acc.response())
 
 
-async def _client_left(request: Request) -> None:
-    """Returns when the client disconnects (the body was read: nothing else comes)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _sse(state: ServerState, ctx: R.Context, streams: list) -> AsyncIterator[bytes]:
     acc = R.Accumulator(ctx)
     clock: dict[int, float] = {}
     opened = False
     try:
-        async for i, d in _merged(streams):
+        async for i, d in merged(streams):
             if not opened:  # NOTE: the role / echo chunks come with the first token
                 opened = True
                 for chunk in acc.opening_chunks():
