@@ -16,6 +16,7 @@ import msgspec
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 WORKER_MODES = ("thread", "process")
+DEFAULT_MAX_N = 128  # most choices (prompts x n) in one server request
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # `laneserve serve`: larger HTTP bodies are refused
 
 

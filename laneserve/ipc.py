@@ -6,7 +6,9 @@ Engine -> worker: the `EngineConfig` once, then encoded `StepCommand`s (an
 empty frame means "stop").
 Worker -> engine: `WorkerReady` | `WorkerFailed` once, then `StepResult`s in
 FIFO order. The engine polls for results and checks that the process is alive
-between polls, so a dead worker is noticed within ~50 ms instead of hanging.
+between polls, so a dead worker is noticed within ~50 ms instead of hanging; a
+watcher thread waits on the process too and calls `on_death` when it exits
+unasked, so that a death is noticed while the engine is idle as well.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -79,6 +82,7 @@ class ProcessClient:
     def __init__(self, config: EngineConfig, tracer: Tracer | None = None) -> None:
         self.config = config
         self.tracer = tracer or Tracer(None)
+        self.on_death: Callable[[], None] | None = None
         self._start()
 
     def _start(self) -> None:
@@ -94,6 +98,10 @@ class ProcessClient:
             str(level),
         ]
         self.process = subprocess.Popen(cmd, pass_fds=(to_worker_r, from_worker_w))
+        self._stopping = False
+        threading.Thread(
+            target=self._watch, args=(self.process,), name="worker-watch", daemon=True
+        ).start()
         os.close(to_worker_r)
         os.close(from_worker_w)
         self._send = Connection(to_worker_w, readable=False)
@@ -123,8 +131,18 @@ class ProcessClient:
             f"the worker process exited during start-up (code {self.process.poll()})"
         )
 
+    def _watch(self, process: subprocess.Popen) -> None:
+        process.wait()
+        if process is self.process and not self._stopping and self.on_death is not None:
+            log.error("worker process %d exited (code %s)", process.pid, process.returncode)
+            self.on_death()
+
     def _alive(self) -> bool:
         return self.process.poll() is None
+
+    @property
+    def alive(self) -> bool:
+        return self._alive()
 
     def submit(self, cmd: StepCommand) -> None:
         with self.tracer.span("encode", "engine", step=cmd.step_id):
@@ -132,7 +150,7 @@ class ProcessClient:
         try:
             self._send.send_bytes(data)
         except (BrokenPipeError, OSError) as e:
-            raise WorkerDiedError(self._death_message()) from e
+            raise WorkerDiedError(self.death_message()) from e
 
     def get_result(self) -> StepResult:
         while True:
@@ -140,14 +158,14 @@ class ProcessClient:
                 try:
                     msg = protocol.decode_worker_message(self._conn.recv_bytes())
                 except (EOFError, OSError) as e:
-                    raise WorkerDiedError(self._death_message()) from e
+                    raise WorkerDiedError(self.death_message()) from e
                 if isinstance(msg, StepResult):
                     return msg
                 continue
             if not self._alive():
-                raise WorkerDiedError(self._death_message())
+                raise WorkerDiedError(self.death_message())
 
-    def _death_message(self) -> str:
+    def death_message(self) -> str:
         try:
             code = self.process.wait(0.5)
         except subprocess.TimeoutExpired:
@@ -162,6 +180,7 @@ class ProcessClient:
         self._stop(kill=False)
 
     def _stop(self, kill: bool) -> None:
+        self._stopping = True
         if self._alive() and not kill:
             try:
                 self._send.send_bytes(b"")

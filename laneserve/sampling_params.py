@@ -10,6 +10,11 @@ from __future__ import annotations
 import msgspec
 
 _MAX_LOGPROBS = 20
+# NOTE: the params cross to the worker as msgpack (64-bit integers) and land in
+# int64 tensors / torch generators: every integer is bounded so that no value can
+# fail there, far from the client that sent it.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -47,9 +52,42 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         self._validate()
 
     def _validate(self) -> None:
+        self._validate_counts()
+        self._validate_floats()
+        self._validate_stops()
+
+    def _validate_counts(self) -> None:
         _check(
-            isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"
+            _int_in(self.n, 1, INT32_MAX),
+            f"n must be an integer in [1, {INT32_MAX}], got {self.n!r}",
         )
+        _check(
+            _int_in(self.top_k, 0, INT32_MAX),
+            f"top_k must be 0 or -1 (disabled) or an integer in [1, {INT32_MAX}], got {self.top_k!r}",
+        )
+        _check(
+            self.seed is None or _int_in(self.seed, INT64_MIN, INT64_MAX),
+            f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}",
+        )
+        _check(
+            self.max_tokens is None or _int_in(self.max_tokens, 1, INT32_MAX),
+            f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}",
+        )
+        _check(
+            _int_in(self.min_tokens, 0, INT32_MAX),
+            f"min_tokens must be an integer in [0, {INT32_MAX}], got {self.min_tokens!r}",
+        )
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            )
+        _check(
+            self.logprobs is None or _int_in(self.logprobs, 0, _MAX_LOGPROBS),
+            f"logprobs must be an integer in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}",
+        )
+
+    def _validate_floats(self) -> None:
         _check(
             _is_number(self.temperature) and 0.0 <= self.temperature <= 100.0,
             f"temperature must be in [0, 100], got {self.temperature!r}",
@@ -59,16 +97,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             f"top_p must be in (0, 1], got {self.top_p!r}",
         )
         _check(
-            isinstance(self.top_k, int) and self.top_k >= 0,
-            f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}",
-        )
-        _check(
             _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
             f"min_p must be in [0, 1], got {self.min_p!r}",
-        )
-        _check(
-            self.seed is None or isinstance(self.seed, int),
-            f"seed must be an integer, got {self.seed!r}",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -80,33 +110,22 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
             f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}",
         )
-        _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
-        )
-        _check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-            f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
-        )
-        if self.max_tokens is not None:
-            _check(
-                self.min_tokens <= self.max_tokens,
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
-            )
-        _check(
-            self.logprobs is None
-            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
-            f"logprobs must be an integer in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}",
-        )
+
+    def _validate_stops(self) -> None:
         if self.stop is not None:
             _check(
-                all(isinstance(s, str) and s for s in self.stop),
+                isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
                 f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}",
+            )
+            _check(
+                all(is_valid_utf8(s) for s in self.stop),
+                "stop strings must be valid Unicode (no lone surrogates)",
             )
         if self.stop_token_ids is not None:
             _check(
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+                isinstance(self.stop_token_ids, list)
+                and all(_int_in(t, 0, INT32_MAX) for t in self.stop_token_ids),
+                f"stop_token_ids must be integers in [0, {INT32_MAX}], got {self.stop_token_ids!r}",
             )
 
     @property
@@ -128,6 +147,19 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def with_seed(self, seed: int | None) -> SamplingParams:
         """A copy with another seed (used to fan `n` out into n requests)."""
         return msgspec.structs.replace(self, seed=seed)
+
+
+def is_valid_utf8(text: str) -> bool:
+    """False for strings with lone surrogates (JSON can carry them, UTF-8 cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _int_in(value: object, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
 def _is_number(value: object) -> bool:

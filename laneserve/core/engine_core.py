@@ -9,6 +9,7 @@ import itertools
 import logging
 from typing import Protocol
 
+from laneserve import protocol
 from laneserve.config import EngineConfig
 from laneserve.core.kv_cache_manager import KVCacheManager
 from laneserve.core.request import Request, RequestStatus
@@ -86,9 +87,7 @@ class EngineCore:
         if not self.healthy:
             raise EngineDeadError("the worker died and was not restarted (--no-restart-worker)")
         self.check_prompt(prompt_token_ids)
-        limit = self.config.scheduler.max_queued_requests
-        if limit is not None and len(self.scheduler.waiting) >= limit:
-            raise QueueFullError(f"the waiting queue is full ({limit} requests)")
+        self.check_queue(1)
         req = Request(
             request_id=request_id,
             handle=next(self._handles),
@@ -99,6 +98,19 @@ class EngineCore:
         )
         self.scheduler.add_request(req)
         return req
+
+    def check_queue(self, num_new: int) -> None:
+        """QueueFullError unless `num_new` more requests fit the waiting queue."""
+        limit = self.config.scheduler.max_queued_requests
+        if limit is not None and len(self.scheduler.waiting) + num_new > limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests)")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError unless the params can cross to the worker (they are sent as they are)."""
+        try:
+            protocol.encode(params)
+        except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as e:
+            raise ValueError(f"the sampling parameters cannot be sent to the worker: {e}") from None
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         n = len(prompt_token_ids)
@@ -123,9 +135,16 @@ class EngineCore:
 
     # -- the loop ----------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """Fill the pipeline up to `depth` steps, then take the oldest result."""
+        """Fill the pipeline up to `depth` steps, then take the oldest result.
+
+        A dead worker fails every unfinished request; so does any unexpected error
+        while building, sending or reconciling a step (the worker is then restarted:
+        its state and the scheduler's can no longer be trusted to agree).
+        """
         if self._restart_pending:
-            self._restart_worker()
+            failed = self.restart_worker()
+            if failed:
+                return failed
         try:
             while self.scheduler.num_in_flight < self.depth:
                 with self.tracer.span("schedule", "engine"):
@@ -136,10 +155,24 @@ class EngineCore:
             if self.scheduler.num_in_flight == 0:
                 return []
             result = self.client.get_result()
+            with self.tracer.span("update", "engine", step=result.step_id):
+                return self.scheduler.update_from_output(result)
         except WorkerDiedError as e:
-            return self._worker_died(str(e))
-        with self.tracer.span("update", "engine", step=result.step_id):
-            return self.scheduler.update_from_output(result)
+            return self._worker_died(f"worker failed: {e}")
+        except Exception as e:
+            log.exception("unexpected error in an engine step")
+            return self._worker_died(f"internal error in an engine step ({type(e).__name__}: {e})")
+
+    def check_worker(self) -> list[EngineCoreOutput]:
+        """Fail every unfinished request if the worker process is gone (idle or not)."""
+        alive = getattr(self.client, "alive", True)
+        if alive or self._restart_pending or not self.healthy:
+            return []
+        return self._worker_died(f"worker failed: {self.client.death_message()}")
+
+    @property
+    def restart_pending(self) -> bool:
+        return self._restart_pending
 
     def _worker_died(self, message: str) -> list[EngineCoreOutput]:
         """Every unfinished request fails now (no hang); then restart or go unhealthy."""
@@ -147,7 +180,7 @@ class EngineCore:
         self.scheduler.drop_in_flight()
         outs = []
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self.scheduler.fail(req.handle, f"worker failed: {message}")
+            self.scheduler.fail(req.handle, message)
             outs.append(EngineCoreOutput(req, [], finished=True))
         if self.config.worker.restart_on_failure and hasattr(self.client, "restart"):
             self._restart_pending = True  # NOTE: after the failures reach the callers
@@ -155,22 +188,26 @@ class EngineCore:
             self.healthy = False
         return outs
 
-    def _restart_worker(self) -> None:
+    def restart_worker(self) -> list[EngineCoreOutput]:
+        """A new worker; if it cannot start, the failures of the requests that waited."""
         self._restart_pending = False
         try:
             self.client.restart()
         except Exception as e:
             log.error("worker restart failed: %s", e)
             self.healthy = False
+            outs = []
             for req in list(self.scheduler.waiting):
                 self.scheduler.fail(req.handle, f"worker restart failed: {e}")
-            return
+                outs.append(EngineCoreOutput(req, [], finished=True))
+            return outs
         self.num_worker_restarts += 1
         arrived = list(self.scheduler.waiting)  # added after the failure, never scheduled
         self._build(self.client.ready, self.scheduler.stats)
         for req in arrived:
             self.scheduler.add_request(req)
         log.warning("worker restarted (%d restarts so far)", self.num_worker_restarts)
+        return []
 
     def shutdown(self) -> None:
         self.client.shutdown()

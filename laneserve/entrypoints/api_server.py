@@ -1,13 +1,18 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes, auth, limits, errors.
 
-Completions and chat share one path: tokenize -> AsyncLLM.generate per prompt
--> either collect (JSON) or stream (SSE, `data: [DONE]` at the end). Response
-bodies are built in `responses.py`.
+Completions and chat share one path: tokenize -> check the served model's
+limits -> AsyncLLM.submit per prompt (admitted or refused before any byte of
+the response: a full queue is a 503 for streams too) -> either collect (JSON)
+or stream (SSE, `data: [DONE]` at the end; a request that fails mid-stream
+gets an error event). A client that leaves aborts its requests: streams notice
+it when starlette cancels them, collected requests by watching the ASGI
+channel for `http.disconnect`. Response bodies are built in `responses.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -16,15 +21,18 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 import laneserve
-from laneserve.config import DEFAULT_MAX_REQUEST_BYTES
+from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
 from laneserve.core.engine_core import EngineDeadError, QueueFullError
 from laneserve.entrypoints import responses as R
+from laneserve.entrypoints.middleware import GuardMiddleware, error_json
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from laneserve.frontend.async_llm import AsyncLLM
+from laneserve.entrypoints.streams import SSEResponse, client_left, close_all, merged
+from laneserve.frontend.async_llm import AsyncLLM, EngineStoppedError
 from laneserve.frontend.output_processor import Delta
 from laneserve.obs.metrics import ServerMetrics
 from laneserve.sampling_params import SamplingParams
@@ -46,6 +54,10 @@ class ServerState:
     model_name: str
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_n: int = DEFAULT_MAX_N  # choices per request (prompts x n)
+    protect_metrics: bool = False  # /metrics needs the API key too
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; none by default
+    draining: bool = False  # shutting down: health is 503, new requests too
     metrics: ServerMetrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -61,9 +73,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if not state.llm.healthy:
-            detail = "loading" if not state.llm.ready else "the worker is dead"
-            return JSONResponse({"status": detail}, status_code=503)
+        problem = _unavailable(state)
+        if problem is not None:
+            return JSONResponse({"status": problem}, status_code=503)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -93,7 +105,7 @@ def build_app(state: ServerState) -> FastAPI:
             ids = engine.tokenizer.apply_chat_template(
                 body.chat_messages(), body.add_generation_prompt
             )
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="messages") from None
         prompts = [(ids, None)]
         params = _params(lambda: body.sampling_params(body.max_new_tokens(), body.num_logprobs()))
@@ -103,11 +115,26 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 # -- request handling ------------------------------------------------------------
+def _unavailable(state: ServerState) -> str | None:
+    """Why the server cannot take requests now, or None."""
+    llm = state.llm
+    if not llm.ready:
+        return "loading"
+    if not llm.running:
+        return "the engine loop stopped"
+    if state.draining:
+        return "shutting down"
+    if llm.restarting:
+        return "the worker is restarting"
+    if not llm.engine.core.healthy:
+        return "the worker died and was not restarted"
+    return None
+
+
 def _engine(state: ServerState):
-    if not state.llm.ready:
-        raise APIError(503, "the model is still loading", "ServiceUnavailableError")
-    if not state.llm.healthy:
-        raise APIError(503, "the worker died and was not restarted", "ServiceUnavailableError")
+    problem = _unavailable(state)
+    if problem is not None:
+        raise APIError(503, f"unavailable: {problem}", "ServiceUnavailableError")
     return state.llm.engine
 
 
@@ -125,8 +152,29 @@ def _params(build) -> SamplingParams:
 
 def _tokenize(state: ServerState, prompt: str | list[int]) -> tuple[list[int], str | None]:
     engine = _engine(state)
-    ids, text = engine.tokenize(prompt)
-    return ids, text
+    try:
+        return engine.tokenize(prompt)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
+
+
+def _check_limits(state: ServerState, engine, params: SamplingParams, num_prompts: int) -> None:
+    """The served model's and the server's limits (SamplingParams checked the rest)."""
+    choices = num_prompts * params.n
+    if choices > state.max_n:
+        raise APIError(
+            400,
+            f"the request asks for {choices} choices ({num_prompts} prompts x n={params.n}); "
+            f"the limit is {state.max_n} (--max-n)",
+            param="n",
+        )
+    if params.max_tokens is not None and params.max_tokens > engine.max_model_len:
+        raise APIError(
+            400,
+            f"max_tokens must be <= max_model_len ({engine.max_model_len}), "
+            f"got {params.max_tokens}",
+            param="max_tokens",
+        )
 
 
 async def _serve(
@@ -139,52 +187,32 @@ async def _serve(
     chat: bool,
 ) -> Response:
     engine = _engine(state)
+    _check_limits(state, engine, params, len(prompts))
     for ids, _ in prompts:
         try:
-            engine.core.check_prompt(ids)
+            engine.check_request(ids, params)
         except ValueError as e:
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
-    limit = engine.config.scheduler.max_queued_requests
-    if limit is not None and len(engine.core.scheduler.waiting) + len(prompts) > limit:
-        raise APIError(
-            503, f"too many queued requests (limit {limit}); retry later", "ServiceUnavailableError"
-        )
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ctx = R.Context(rid, state.model_name, int(time.time()), chat, body, prompts, params.n)
-    streams = [state.llm.generate(f"{rid}-{i}", ids, params) for i, (ids, _) in enumerate(prompts)]
+    streams = await _admit(state, rid, prompts, params)
     if body.stream:
-        return StreamingResponse(_sse(state, ctx, streams), media_type="text/event-stream")
+        return SSEResponse(_sse(state, ctx, streams), streams)
     return await _collect(state, request, ctx, streams)
 
 
-async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """Interleave the per-prompt streams as their deltas arrive."""
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s: AsyncIterator[Delta]) -> None:
-        try:
-            async for d in s:
-                await q.put((i, d))
-            await q.put((i, None))
-        except BaseException as e:
-            await q.put((i, e))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    live = len(tasks)
-    try:
-        while live:
-            i, item = await q.get()
-            if item is None:
-                live -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            await s.aclose()
+async def _admit(
+    state: ServerState, rid: str, prompts: list[tuple[list[int], str | None]], params
+) -> list:
+    """Submit every prompt; all are admitted, or none stays (the error is raised)."""
+    subs = [state.llm.submit(f"{rid}-{i}", ids, params) for i, (ids, _) in enumerate(prompts)]
+    results = await asyncio.gather(*subs, return_exceptions=True)
+    streams = [r for r in results if not isinstance(r, BaseException)]
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is not None:
+        await close_all(streams)
+        raise _error_for(error) from None
+    return streams
 
 
 def _error_for(e: BaseException) -> APIError:
@@ -192,7 +220,7 @@ def _error_for(e: BaseException) -> APIError:
         return e
     if isinstance(e, QueueFullError):
         return APIError(503, str(e), "ServiceUnavailableError")
-    if isinstance(e, EngineDeadError):
+    if isinstance(e, (EngineDeadError, EngineStoppedError)):
         return APIError(503, str(e), "ServiceUnavailableError")
     if isinstance(e, ValueError):
         return APIError(400, str(e))
@@ -204,20 +232,24 @@ async def _collect(state: ServerState, request: Request, ctx: R.Context, streams
     clock: dict[int, float] = {}
 
     async def run() -> None:
-        async for i, d in _merged(streams):
+        async for i, d in merged(streams):
             acc.add(i, d)
             _record(state, d, clock)
 
     task = asyncio.create_task(run())
+    gone = asyncio.create_task(client_left(request))
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()  # NOTE: closing the streams aborts the requests
-                return Response(status_code=499)
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():  # the client left: cancelling closes (aborts) the streams
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)
         task.result()
     except Exception as e:
         raise _error_for(e) from None
+    finally:
+        gone.cancel()
     if acc.error is not None:
         raise APIError(500, acc.error, "InternalServerError")
     return JSONResponse(acc.response())
@@ -228,11 +260,13 @@ async def _sse(state: ServerState, ctx: R.Context, streams: list) -> AsyncIterat
     clock: dict[int, float] = {}
     opened = False
     try:
-        async for i, d in _merged(streams):
+        async for i, d in merged(streams):
             if not opened:  # NOTE: the role / echo chunks come with the first token
                 opened = True
                 for chunk in acc.opening_chunks():
                     yield R.sse(chunk)
+            if d.finished and d.state.error:  # NOTE: an error event, not an empty chunk
+                raise APIError(500, d.state.error, "InternalServerError")
             for chunk in acc.stream_chunks(i, d):
                 yield R.sse(chunk)
             _record(state, d, clock)
@@ -260,35 +294,49 @@ def _record(state: ServerState, d: Delta, clock: dict[int, float]) -> None:
 
 # -- middleware and errors ---------------------------------------------------------
 def _install_middleware(app: FastAPI, state: ServerState) -> None:
-    open_paths = {"/health", "/metrics", "/version"}
+    open_paths = {"/health", "/version"} | (set() if state.protect_metrics else {"/metrics"})
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=state.api_key,
+        max_request_bytes=state.max_request_bytes,
+        open_paths=frozenset(open_paths),
+    )
+    if state.allowed_origins:  # NOTE: added last, so outermost: preflights need no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=state.allowed_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["authorization", "content-type"],
+        )
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        needs_key = state.api_key is not None and request.url.path not in open_paths
-        if needs_key and request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-            return _error_response(
-                APIError(401, "invalid or missing API key", "AuthenticationError")
-            )
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > state.max_request_bytes:
-            msg = f"request body of {size} bytes exceeds the limit of {state.max_request_bytes}"
-            return _error_response(APIError(413, msg, "RequestTooLargeError"))
-        return await call_next(request)
+
+def _error_response(e: APIError) -> Response:
+    body = error_json(e.message, e.kind, e.status, e.param)
+    return Response(body, status_code=e.status, media_type="application/json")
 
 
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(R.error_body(e.message, e.kind, e.status, e.param), status_code=e.status)
+def _is_field(part: object) -> bool:
+    """A field name or list index in pydantic's error location; not the body itself
+    nor the union member tags (`str`, `function-after[...]`, `list[int]`)."""
+    if isinstance(part, int):
+        return True
+    tags = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
+    return isinstance(part, str) and part.isidentifier() and part not in tags
 
 
 def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
+    async def api_error(_: Request, e: APIError) -> Response:
         return _error_response(e)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    async def validation_error(_: Request, e: RequestValidationError) -> Response:
+        errors = e.errors()
+        # NOTE: a union reports one error per member; our own checks say most
+        first = next((x for x in errors if x.get("type") == "value_error"), None) or (
+            errors[0] if errors else {}
+        )
+        loc = ".".join(str(x) for x in first.get("loc", ()) if _is_field(x))
         if first.get("type") == "json_invalid":
             return _error_response(APIError(400, "the request body is not valid JSON"))
         return _error_response(
@@ -298,5 +346,5 @@ def _install_errors(app: FastAPI) -> None:
         )
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+    async def http_error(_: Request, e: HTTPException) -> Response:
         return _error_response(APIError(e.status_code, str(e.detail), "HTTPError"))

@@ -2,16 +2,36 @@
 
 Field names follow the OpenAI API plus vLLM's extensions (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens`, ...).
-Types are checked here; value ranges by SamplingParams (one source of truth).
+Types, and the validity of every string (no lone surrogates: JSON can carry
+them, UTF-8 and the tokenizer cannot), are checked here; value ranges by
+SamplingParams (one source of truth); limits of the served model (vocabulary,
+max_model_len, --max-n) by the server.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+)
 
-from laneserve.sampling_params import SamplingParams
+from laneserve.sampling_params import SamplingParams, is_valid_utf8
+
+
+def _utf8(text: str) -> str:
+    if not is_valid_utf8(text):
+        raise ValueError("the string is not valid Unicode (it holds a lone surrogate)")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class StreamOptions(BaseModel):
@@ -21,14 +41,14 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
+    model: Text | None = None
     n: StrictInt = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: StrictInt | None = None
     min_p: float | None = None
     seed: StrictInt | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[StrictInt] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -39,7 +59,7 @@ class _Common(BaseModel):
     include_stop_str_in_output: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         kw = {
@@ -72,20 +92,23 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
     echo: StrictBool = False
-    suffix: str | None = None
+    suffix: Text | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, p: str | list) -> str | list:
+        if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
+            raise ValueError("the prompt must not be empty (nor any prompt in a batch)")
+        return p
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
-        if isinstance(p, str):
+        if isinstance(p, str) or all(isinstance(x, int) for x in p):
             return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [p]
-        if not p:
-            raise ValueError("prompt must not be empty")
         return list(p)
 
 
@@ -93,9 +116,10 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: Text | list[dict] | None = None
 
     def text(self) -> str:
+        """The content as one string; ValueError for non-text or invalid parts."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -104,7 +128,7 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
+            parts.append(_utf8(part["text"]))
         return "".join(parts)
 
 

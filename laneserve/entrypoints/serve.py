@@ -1,9 +1,10 @@
 """`laneserve serve`: the OpenAI-compatible server on the async engine.
 
 The socket opens first and the model loads in the background (`/health` says
-503 until it is ready). SIGTERM / Ctrl-C: uvicorn stops accepting, lets open
-requests finish for a grace period, then the engine aborts what is left and
-stops the worker process.
+503 until it is ready). SIGTERM / Ctrl-C: the server stops accepting (health
+and new requests on open connections get 503), lets open requests finish for
+`--graceful-shutdown-s`, then ends the rest with an error (an SSE error event,
+or a 503 body) rather than cutting them, and stops the worker process.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from laneserve.config import DEFAULT_MAX_REQUEST_BYTES
+from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
 from laneserve.engine_args import EngineArgs
 
 if TYPE_CHECKING:
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from laneserve.frontend.async_llm import AsyncLLM
 
 log = logging.getLogger("laneserve.serve")
+
+_DRAIN_MARGIN_S = 5.0  # after the grace period: time for the error events to go out
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +36,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--served-model-name", default=None, help="model id in the API (default: from --model)"
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="/metrics needs the API key too (by default it is open, as /health is)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        help="CORS: origins that browsers may call from (default: none; '*' for any)",
+    )
+    p.add_argument(
+        "--max-n",
+        type=int,
+        default=DEFAULT_MAX_N,
+        help="most choices in one request (prompts x n); more is a 400",
+    )
     p.add_argument(
         "--max-request-bytes",
         type=int,
@@ -68,21 +88,32 @@ def run(ns: argparse.Namespace) -> int:
 
     args = EngineArgs.from_cli(ns)
     config = args.create_config()  # invalid flags fail here, before anything starts
+    if ns.max_n < 1:
+        print(f"error: --max-n must be >= 1, got {ns.max_n}")
+        return 2
     llm = AsyncLLM(config, on_step=None)
     state = ServerState(
-        llm, served_name(ns.model, ns.served_model_name), ns.api_key, ns.max_request_bytes
+        llm,
+        served_name(ns.model, ns.served_model_name),
+        ns.api_key,
+        ns.max_request_bytes,
+        max_n=ns.max_n,
+        protect_metrics=ns.protect_metrics,
+        allowed_origins=list(ns.allowed_origins),
     )
     llm.on_step = lambda engine, deltas: state.metrics.refresh(engine)
     app = build_app(state)
-    server = uvicorn.Server(
+    server = _draining_server(
         uvicorn.Config(
             app,
             host=ns.host,
             port=ns.port,
             log_level="warning",
-            timeout_graceful_shutdown=ns.graceful_shutdown_s,
+            timeout_graceful_shutdown=ns.graceful_shutdown_s + _DRAIN_MARGIN_S,
             lifespan="on",
-        )
+        ),
+        state,
+        ns.graceful_shutdown_s,
     )
     failed: list[BaseException] = []
 
@@ -104,6 +135,28 @@ def run(ns: argparse.Namespace) -> int:
         print(f"error: {failed[0]}")
         return 2
     return 0
+
+
+def _draining_server(config, state: ServerState, grace_s: float):
+    """uvicorn's server, plus: on shutdown, mark the state draining and, once the
+    grace period is over, end every request still running with an error."""
+    import uvicorn
+
+    from laneserve.frontend.async_llm import EngineStoppedError
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            state.draining = True
+            error = EngineStoppedError(
+                f"the server is shutting down (grace period of {grace_s:g} s over)"
+            )
+            timer = asyncio.get_running_loop().call_later(grace_s, state.llm.fail_all, error)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return Server(config)
 
 
 async def _announce(

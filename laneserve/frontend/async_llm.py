@@ -2,8 +2,17 @@
 
 The HTTP event loop never runs engine work: it puts add/abort commands on a
 thread-safe queue and awaits deltas that the engine thread hands over with
-`call_soon_threadsafe`. A caller that goes away (client disconnect) aborts its
-request, which frees its KV blocks at the next engine step.
+`call_soon_threadsafe`. `submit` returns only once the engine thread has
+admitted the request (or refused it: full queue, bad input), so a server can
+answer with an HTTP error before a stream starts. A caller that goes away
+(client disconnect) aborts its request, which frees its KV blocks at the next
+engine step.
+
+The engine thread never dies of one bad step: an unexpected error fails the
+requests in flight and restarts the worker (see `EngineCore.step`); a dead
+worker process is noticed by its watcher even while the engine is idle, the
+requests in flight fail with an error that says so, and the worker restarts at
+once (`restarting` is true meanwhile).
 """
 
 from __future__ import annotations
@@ -22,13 +31,20 @@ from laneserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+Sink = Callable[[Delta | BaseException], None]
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop is not running (stopped, or shutting down)."""
+
 
 @dataclass
 class _Add:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    sink: Callable[[Delta | BaseException], None]
+    sink: Sink
+    admit: Callable[[BaseException | None], None]
 
 
 @dataclass
@@ -36,7 +52,13 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _FailAll:
+    error: BaseException
+
+
 _STOP = object()
+_WORKER_DIED = object()  # a wake-up: the worker watcher saw the process exit
 
 
 class AsyncLLM:
@@ -47,10 +69,12 @@ class AsyncLLM:
         self.on_step = on_step
         self.engine: LLMEngine | None = None
         self.load_error: BaseException | None = None
+        self.restarting = False
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, Callable[[Delta | BaseException], None]] = {}
+        self._sinks: dict[str, Sink] = {}
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._stopped = False
 
     # -- life cycle ------------------------------------------------------------
     def start(self) -> None:
@@ -66,35 +90,63 @@ class AsyncLLM:
         return self._ready.is_set() and self.engine is not None
 
     @property
+    def running(self) -> bool:
+        """The engine thread is alive (it can die only of a bug outside a step)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
+
+    @property
     def healthy(self) -> bool:
-        return self.ready and self.engine.core.healthy
+        return self.ready and self.running and not self.restarting and self.engine.core.healthy
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self._commands.put(_STOP)
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight with `error` (graceful shutdown's last step)."""
+        self._commands.put(_FailAll(error))
+
     # -- requests --------------------------------------------------------------
+    async def submit(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[Delta]:
+        """Admit one request (n samples share the id) and return its deltas.
+
+        Raises what the engine raised when adding it (ValueError, QueueFullError,
+        EngineDeadError) before anything is generated. Closing the returned
+        iterator early aborts the request.
+        """
+        if not self.running:
+            raise EngineStoppedError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+        admitted: asyncio.Future[None] = loop.create_future()
+
+        def sink(item: Delta | BaseException) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+        def admit(error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(_settle, admitted, error)
+
+        self._commands.put(_Add(request_id, prompt_ids, params, sink, admit))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return RequestStream(self, request_id, q, params.n)
+
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[Delta]:
-        """Deltas for one request (n samples share the id); aborts if the caller stops."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
-        sink = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
-        self._commands.put(_Add(request_id, prompt_ids, params, sink))
-        remaining = params.n
+        """Deltas for one request; aborts if the caller stops early."""
+        stream = await self.submit(request_id, prompt_ids, params)
         try:
-            while remaining:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    remaining -= 1
-                yield item
+            async for d in stream:
+                yield d
         finally:
-            if remaining:
-                self.abort(request_id)
+            await stream.aclose()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -108,17 +160,30 @@ class AsyncLLM:
             log.error("model failed to load: %s", e)
             self._ready.set()
             return
+        self._watch_worker()
         self._ready.set()
         try:
             while self._loop_once():
                 pass
+        except BaseException:
+            log.exception("the engine loop stopped")
+            raise
         finally:
-            self._fail_all(RuntimeError("the engine stopped"))
+            self._stopped = True
+            self._fail_all(EngineStoppedError("the engine stopped"))
+            self._refuse_pending()
             self.engine.shutdown()
+
+    def _watch_worker(self) -> None:
+        """A dead worker process wakes the loop (it may be idle, blocked on commands)."""
+        client = self.engine.client
+        if hasattr(client, "on_death"):
+            client.on_death = lambda: self._commands.put(_WORKER_DIED)
 
     def _loop_once(self) -> bool:
         eng = self.engine
         block = not eng.has_unfinished
+        applied = False
         while True:
             try:
                 cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
@@ -127,35 +192,125 @@ class AsyncLLM:
             block = False
             if cmd is _STOP:
                 return False
+            applied = True
             self._apply(cmd)
         if eng.has_unfinished:
-            deltas = eng.step()
-            for d in deltas:
-                sink = self._sinks.get(d.state.group_id)
-                if sink is not None:
-                    sink(d)
-            for d in deltas:  # NOTE: after delivery: siblings may finish in the same step
-                if d.finished and d.state.group_id not in eng.groups:
-                    self._sinks.pop(d.state.group_id, None)
-            if self.on_step is not None:
-                self.on_step(eng, deltas)
+            self._step()
+        elif applied and self.on_step is not None:
+            self.on_step(eng, [])  # NOTE: gauges move on aborts too, with no step to run
+        if eng.core.restart_pending:
+            self._restart()
         return True
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception as e:  # NOTE: the core handles step errors; this is the last net
+            log.exception("unexpected error after an engine step; failing its requests")
+            for request_id in list(self._sinks):
+                self.engine.abort(request_id)
+            self._fail_all(RuntimeError(f"internal error: {type(e).__name__}: {e}"))
+            return
+        self._deliver(deltas)
+
+    def _deliver(self, deltas: list[Delta]) -> None:
         eng = self.engine
-        if isinstance(cmd, _Abort):
+        for d in deltas:
+            sink = self._sinks.get(d.state.group_id)
+            if sink is not None:
+                sink(d)
+        for d in deltas:  # NOTE: after delivery: siblings may finish in the same step
+            if d.finished and d.state.group_id not in eng.groups:
+                self._sinks.pop(d.state.group_id, None)
+        if self.on_step is not None:
+            self.on_step(eng, deltas)
+
+    def _restart(self) -> None:
+        """Start a new worker now, in this thread; health says 503 meanwhile."""
+        self.restarting = True
+        try:
+            failed = self.engine.restart_worker()
+        finally:
+            self.restarting = False
+        self._deliver(failed)
+
+    def _apply(self, cmd: object) -> None:
+        eng = self.engine
+        if cmd is _WORKER_DIED:
+            self._deliver(eng.check_worker())
+        elif isinstance(cmd, _Abort):
             if cmd.request_id in eng.groups:
                 eng.abort(cmd.request_id)
             self._sinks.pop(cmd.request_id, None)
-            return
-        try:
-            eng.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
-        except Exception as e:
-            cmd.sink(e)
-            return
-        self._sinks[cmd.request_id] = cmd.sink
+        elif isinstance(cmd, _FailAll):
+            for request_id in list(self._sinks):
+                eng.abort(request_id)
+            self._fail_all(cmd.error)
+        elif isinstance(cmd, _Add):
+            try:
+                eng.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
+            except Exception as e:
+                cmd.admit(e)
+                return
+            self._sinks[cmd.request_id] = cmd.sink
+            cmd.admit(None)
 
     def _fail_all(self, error: BaseException) -> None:
         for sink in self._sinks.values():
             sink(error)
         self._sinks.clear()
+
+    def _refuse_pending(self) -> None:
+        """Adds that arrived after the loop ended must not wait forever."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                cmd.admit(EngineStoppedError("the engine stopped"))
+
+
+class RequestStream:
+    """The deltas of one admitted request; `aclose()` before the end aborts it.
+
+    A class rather than an async generator: closing a generator that never
+    started runs none of its code, and an admitted request must be aborted even
+    if nobody ever read from it.
+    """
+
+    def __init__(self, llm: AsyncLLM, request_id: str, q: asyncio.Queue, n: int) -> None:
+        self.llm, self.request_id, self.q = llm, request_id, q
+        self.remaining = n  # samples not finished yet
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if not self.remaining:
+            raise StopAsyncIteration
+        try:
+            item = await self.q.get()
+        except asyncio.CancelledError:
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self.remaining = 0  # the engine already dropped it
+            raise item
+        if item.finished:
+            self.remaining -= 1
+        return item
+
+    async def aclose(self) -> None:
+        if self.remaining:
+            self.remaining = 0
+            self.llm.abort(self.request_id)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the caller went away while waiting
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

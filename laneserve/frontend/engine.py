@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import EngineCore, WorkerClient
 from laneserve.core.request import Request
@@ -73,7 +75,8 @@ class LLMEngine:
         """Add one request (n samples); raises ValueError before adding anything."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.core.check_prompt(prompt_ids)
+        self.check_request(prompt_ids, params)
+        self.core.check_queue(params.n)
         states = []
         for i in range(params.n):
             child = params if params.n == 1 else _child_params(params, i)
@@ -83,13 +86,32 @@ class LLMEngine:
         self.groups[request_id] = states
         return states
 
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The limits of this model (context, vocabulary); ValueError names the field."""
+        self.core.check_prompt(prompt_ids)
+        self.core.check_params(params)
+        vocab = self.core.ready.vocab_size
+        bad = next((t for t in params.stop_token_ids or () if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})")
+
     def abort(self, request_id: str) -> None:
         for state in self.groups.pop(request_id, []):
             self.core.abort(state.request)
             self.processor.abort(state.request.handle)
 
     def step(self) -> list[Delta]:
-        outputs = self.core.step()
+        return self._process(self.core.step())
+
+    def check_worker(self) -> list[Delta]:
+        """Failures of every request if the worker process died (else nothing)."""
+        return self._process(self.core.check_worker())
+
+    def restart_worker(self) -> list[Delta]:
+        """A new worker now; if it fails to start, the failures of the waiting requests."""
+        return self._process(self.core.restart_worker())
+
+    def _process(self, outputs: list) -> list[Delta]:
         with self.tracer.span("detokenize", "engine"):
             deltas, to_abort = self.processor.process(outputs)
         for req in to_abort:
@@ -146,9 +168,8 @@ class LLMEngine:
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    seed = None if params.seed is None else params.seed + index
-    import msgspec
-
+    # NOTE: wrapped into int64 so that a child of a seed near the top stays valid
+    seed = None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63
     return msgspec.structs.replace(params, n=1, seed=seed)
 
 

@@ -44,6 +44,9 @@ class ServerMetrics:
             "spec_decode_num_accepted_tokens", "speculative draft tokens accepted"
         )
         self.requests_ok = counter("request_success", "requests finished")
+        self.worker_restarts = counter(
+            "num_worker_restarts", "worker processes restarted after a failure"
+        )
         self.ttft = hist("time_to_first_token_seconds", "time to the first token")
         self.itl = hist("inter_token_latency_seconds", "time between streamed tokens")
         self.e2e = hist("e2e_request_latency_seconds", "request latency")
@@ -67,6 +70,7 @@ class ServerMetrics:
             (self.generation_tokens, st.num_generation_tokens),
             (self.spec_drafts, st.num_drafts),
             (self.spec_accepted, st.num_accepted),
+            (self.worker_restarts, engine.core.num_worker_restarts),
         ):
             self._advance(metric, value)
 

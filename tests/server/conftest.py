@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +37,29 @@ class Server:
             for s in family.samples:
                 out[s.name] = s.value
         return out
+
+    def post(self, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+        auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.post(
+            f"{self.url}{path}", json=body, headers={**auth, **(headers or {})}, timeout=120
+        )
+
+    def greedy(self, prompt: str = "The old lighthouse stood at the end") -> str:
+        """A normal greedy request: its text must not change across faults."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        r = self.post("/v1/completions", {**body, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+
+def wait_for(condition: Callable[[], bool], what: str, limit_s: float = 120.0) -> None:
+    """Poll until `condition` holds. The limit is a generous bound for a hang, not
+    a timing claim: tests phrase what they wait for as an event."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for: {what}")
+        time.sleep(0.05)
 
 
 def free_port() -> int:

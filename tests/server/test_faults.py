@@ -1,0 +1,198 @@
+"""Faults below the HTTP layer: the worker process killed mid-stream, an
+unexpected error inside an engine step, the engine thread gone. Each must be
+visible to the callers (an error, not a quiet end) and to /health, and the
+server must serve the same greedy text afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import Server, start_server, stop_server, wait_for
+
+PROMPT = "The old lighthouse stood at the end"
+LONG = {"model": "tiny", "prompt": PROMPT, "max_tokens": 250, "n": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
+    s = start_server(tiny_models["llama"])
+    yield s
+    stop_server(s)
+
+
+def _worker_pid(server: Server) -> int:
+    """The server's child process: the worker (read from /proc, Linux)."""
+    tasks = Path(f"/proc/{server.proc.pid}/task").iterdir()  # the engine thread spawns it
+    children = [c for t in tasks for c in (t / "children").read_text().split()]
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+class HealthLog:
+    """Records every /health status from a background poller."""
+
+    def __init__(self, server: Server) -> None:
+        self.url, self.seen, self.stop = f"{server.url}/health", [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.seen.append(httpx.get(self.url, timeout=30).status_code)
+            except httpx.HTTPError:
+                self.seen.append(0)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def _stream_events(server: Server, out: list[str], started: threading.Event) -> None:
+    body = {**LONG, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(line.removeprefix("data: "))
+                started.set()
+
+
+def test_worker_killed_mid_stream(server: Server) -> None:
+    reference = server.greedy()
+    old_pid = _worker_pid(server)
+    events: list[list[str]] = [[], []]
+    started = [threading.Event(), threading.Event()]
+    threads = [
+        threading.Thread(target=_stream_events, args=(server, events[i], started[i]))
+        for i in range(2)
+    ]
+    collected: list[httpx.Response] = []
+    threads.append(
+        threading.Thread(target=lambda: collected.append(server.post("/v1/completions", LONG)))
+    )
+    for t in threads:
+        t.start()
+    for ev in started:
+        assert ev.wait(120), "the streams did not start"
+    wait_for(lambda: server.metrics()["laneserve:num_requests_running"] == 3 * 8, "all running")
+    health = HealthLog(server)
+    os.kill(old_pid, signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    # streams: an error event that says the worker died, then [DONE]
+    for ev in events:
+        assert ev[-1] == "[DONE]"
+        error = json.loads(ev[-2])["error"]
+        assert "worker" in error["message"] and "died" in error["message"], error
+        assert error["code"] >= 500
+        assert not any('"finish_reason": "length"' in e for e in ev)
+    # non-streaming: a 5xx whose body says so
+    assert collected[0].status_code >= 500
+    assert "died" in collected[0].json()["error"]["message"]
+    # the engine restarts by itself (no request needed); health is 503 meanwhile
+    wait_for(lambda: 503 in health.seen and health.seen[-1] == 200, "health 503, then 200")
+    health.close()
+    assert health.seen[0] in (200, 503)
+    assert _worker_pid(server) != old_pid
+    assert server.metrics()["laneserve:num_worker_restarts_total"] == 1
+    assert server.greedy() == reference
+
+
+# -- in-process: errors inside a step, and a dead engine thread ---------------------
+@pytest.fixture(scope="module")
+def llm(tiny_models: dict[str, Path]):
+    from laneserve.engine_args import EngineArgs
+    from laneserve.frontend.async_llm import AsyncLLM
+
+    args = EngineArgs(
+        model=str(tiny_models["llama"]), dtype="float32", max_model_len=128, worker_mode="process"
+    )
+    llm = AsyncLLM(args.create_config())
+    llm.start()
+    assert llm.wait_ready(300) and llm.load_error is None
+    yield llm
+    llm.shutdown()
+
+
+async def _generate(llm, ids: list[int], **params) -> tuple[list[int], str | None]:
+    from laneserve.sampling_params import SamplingParams
+
+    tokens, error = [], None
+    sp = SamplingParams(temperature=0, ignore_eos=True, **params)
+    async for d in llm.generate(os.urandom(8).hex(), ids, sp):
+        tokens += d.token_ids
+        error = d.state.error or error
+    return tokens, error
+
+
+def test_unexpected_error_in_a_step_fails_its_requests_only(llm) -> None:
+    ids = [5, 6, 7, 8, 9]
+    reference, _ = asyncio.run(_generate(llm, ids, max_tokens=10))
+    core = llm.engine.core
+    scheduler = core.scheduler  # NOTE: replaced by the restart, and the fault with it
+
+    def broken(result):
+        raise OverflowError("a value the step cannot hold")
+
+    scheduler.update_from_output = broken
+    tokens, error = asyncio.run(_generate(llm, ids, max_tokens=10))
+    assert error is not None and "internal error" in error and "OverflowError" in error
+    assert tokens == []
+    wait_for(lambda: llm.healthy, "the worker to be restarted")
+    assert llm.running and core.scheduler is not scheduler
+    assert asyncio.run(_generate(llm, ids, max_tokens=10))[0] == reference
+
+
+def test_params_that_cannot_cross_to_the_worker_are_refused(llm) -> None:
+    from laneserve.sampling_params import SamplingParams
+
+    ids = [5, 6, 7, 8, 9]
+    reference, _ = asyncio.run(_generate(llm, ids, max_tokens=10))
+    bad = SamplingParams(max_tokens=4)
+    bad.stop = ["\ud800"]  # past the constructor's checks: the engine's own must hold
+    with pytest.raises(ValueError, match="cannot be sent to the worker"):
+        llm.engine.check_request(ids, bad)
+    with pytest.raises(ValueError, match="valid Unicode"):
+        SamplingParams(stop="\ud800")
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**70)
+    # the largest seed is served, its n children's seeds included
+    tokens, error = asyncio.run(_generate(llm, ids, max_tokens=3, n=2, seed=2**63 - 1))
+    assert error is None and len(tokens) == 6
+    assert asyncio.run(_generate(llm, ids, max_tokens=10))[0] == reference
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_health_sees_a_dead_engine_thread(tiny_models: dict[str, Path]) -> None:
+    from fastapi.testclient import TestClient
+
+    from laneserve.engine_args import EngineArgs
+    from laneserve.entrypoints.api_server import ServerState, build_app
+    from laneserve.frontend.async_llm import AsyncLLM
+
+    args = EngineArgs(model=str(tiny_models["llama"]), dtype="float32", max_model_len=64)
+    llm = AsyncLLM(args.create_config())
+    llm.start()
+    assert llm.wait_ready(300)
+    with TestClient(build_app(ServerState(llm, "tiny"))) as client:
+        assert client.get("/health").status_code == 200
+
+        def die() -> bool:
+            raise SystemExit("a bug outside any step")
+
+        llm._loop_once = die  # the next loop turn ends the thread
+        llm.abort("wake-up")
+        llm._thread.join(60)
+        r = client.get("/health")
+        assert r.status_code == 503 and "engine loop stopped" in r.json()["status"]
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503
