@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--allowed-origins",
         nargs="*",
         default=[],
-        help="CORS: origins that browsers may call from (default: none; '*' for any)",
+        help="CORS: origins that browsers may call from ('*' for any; none: no CORS)",
     )
     p.add_argument(
         "--max-n",
