@@ -23,8 +23,8 @@ from laneserve.bench.workload import corpus_ids, prompt_token_ids
 from laneserve.obs.trace_analysis import load_events, report, step_spans, summarize
 
 MODES = {
-    "sync": {"async_scheduling": False},
-    "async (lanes, this process)": {"async_scheduling": True},
+    "sync": {"async_scheduling": False, "worker_mode": "thread"},
+    "async (lanes, this process)": {"async_scheduling": True, "worker_mode": "thread"},
     "async (worker process)": {"async_scheduling": True, "worker_mode": "process"},
 }
 

@@ -247,7 +247,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per case")
     ap.add_argument("--draft-weights", default=None, help="MTP head file (default: shipped)")
     ap.add_argument("--no-async", action="store_true")
-    ap.add_argument("--worker-mode", default="thread", choices=("thread", "process"))
+    ap.add_argument("--worker-mode", default="process", choices=("thread", "process"))
     ap.add_argument(
         "--interleave",
         default="config",

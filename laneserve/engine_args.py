@@ -124,6 +124,10 @@ class EngineArgs:
     )
 
     def create_config(self) -> EngineConfig:
+        from laneserve.model.limits import check_max_model_len
+
+        # NOTE: before anything loads: a too long context is refused in a second
+        check_max_model_len(self.model, self.max_model_len)
         cfg = EngineConfig(
             model=ModelConfig(
                 model=self.model or "",

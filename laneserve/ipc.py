@@ -203,6 +203,13 @@ def main() -> None:
     worker_main(
         Connection(ns.in_fd, writable=False), Connection(ns.out_fd, readable=False), ns.log_level
     )
+    # NOTE: the worker has flushed its traces and answered its last message; skipping
+    # the interpreter's teardown (torch's thread pools, module finalizers) saves about
+    # a second on every engine shutdown.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

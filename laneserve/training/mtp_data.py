@@ -56,7 +56,7 @@ class HiddenTap:
 
 def in_process_worker(llm: LLM) -> Worker:
     """The trainer taps the model runner and reads the loaded model: it needs the worker
-    in this process (the LLM's default thread mode), not a spawned one."""
+    in this process (worker_mode thread), not a spawned one."""
     worker = getattr(llm.engine.client, "worker", None)
     if not isinstance(worker, Worker):
         raise ValueError("the MTP trainer needs the worker in this process (worker_mode thread)")

@@ -61,6 +61,7 @@ def run(ns: argparse.Namespace) -> int:
         async_scheduling=False,
         enable_prefix_caching=False,
         max_num_seqs=ns.gen_batch,
+        worker_mode="thread",  # the data tap reads the runner in this process
     )
     args = (ns.max_new_tokens, ns.gen_batch)
     samples = collect(

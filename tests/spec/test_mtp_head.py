@@ -186,6 +186,7 @@ def _generation_llm(tiny_models: dict[str, Path]) -> LLM:
         async_scheduling=False,
         enable_prefix_caching=False,
         max_num_seqs=4,
+        worker_mode="thread",
     )
 
 
