@@ -5,6 +5,7 @@ against transformers fp32 on the same tiny model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -14,6 +15,7 @@ import torch
 from tests.server.conftest import Server
 from tests.tiny_models import _cached_model
 
+DATA = Path(__file__).parent / "data"
 PROMPTS = ["The old lighthouse stood at the end", "A cat sat on the mat and"]
 
 
@@ -79,3 +81,43 @@ def test_echo_without_logprobs_is_unchanged(server: Server) -> None:
     c = server.client()
     res = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=0, echo=True)
     assert res.choices[0].text == PROMPTS[0] and res.choices[0].logprobs is None
+
+
+def test_lm_eval_loglikelihood_requests(server: Server, tiny_models: dict[str, Path]) -> None:
+    """lm-evaluation-harness `local-completions` scoring of a multiple-choice task,
+    reproduced request for request: token-id prompts (context + continuation) in one
+    batch, `echo`, `logprobs=1`, `max_tokens=1`; the loglikelihood of a continuation
+    is `sum(token_logprobs[ctxlen:-1])`. It must equal transformers fp32's."""
+    from transformers import AutoTokenizer
+
+    d = tiny_models["llama"]
+    tok = AutoTokenizer.from_pretrained(str(d))
+    items = [json.loads(line) for line in (DATA / "tiny_mc.jsonl").read_text().splitlines()]
+    pairs = []  # (context ids, continuation ids), split as lm-eval splits them
+    for item in items:
+        for choice in item["choices"]:
+            whole = tok(item["context"] + choice)["input_ids"]
+            ctx = tok(item["context"])["input_ids"]
+            pairs.append((ctx, whole[len(ctx) :]))
+    body = {
+        "model": "tiny",
+        "prompt": [c + x for c, x in pairs],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(pairs)
+    for (ctx, cont), choice in zip(pairs, choices, strict=True):
+        lps = choice["logprobs"]["token_logprobs"][len(ctx) : -1]
+        tops = choice["logprobs"]["top_logprobs"][len(ctx) : -1]
+        ref = hf_logprobs(d, ctx + cont)
+        want = [ref[len(ctx) + i - 1, t].item() for i, t in enumerate(cont)]
+        assert len(lps) == len(cont)
+        assert sum(lps) == pytest.approx(sum(want), abs=1e-4)
+        greedy = all(ref[len(ctx) + i - 1].argmax().item() == t for i, t in enumerate(cont))
+        assert greedy == all(v == max(t.values()) for v, t in zip(lps, tops, strict=True))
