@@ -88,3 +88,31 @@ def test_prefix_cache_does_not_skip_prompt_logprobs(tiny_models: dict[str, Path]
         assert plain[0].num_cached_tokens > 0  # requests without them still hit
     check(d, prompt, first.prompt_logprobs)
     check(d, prompt, second.prompt_logprobs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_keeps_prompt_logprobs_and_tokens(
+    tiny_models: dict[str, Path], async_scheduling: bool
+) -> None:
+    """Recomputed prefills after preemption send the same positions again: the
+    request keeps one entry per position, and the generated tokens are those of a
+    run without prompt logprobs."""
+    d = tiny_models["llama"]
+    prompts = mixed_prompts(6, seed=14, lo=10, hi=30)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with_lp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=TOP)
+    with LLM(
+        str(d),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=40,
+        max_model_len=64,
+        async_scheduling=async_scheduling,
+    ) as llm:
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        outs = llm.generate(batch, with_lp, use_tqdm=False)
+        assert llm.get_stats()["num_preemptions"] > 0
+        plain = llm.generate(batch, greedy, use_tqdm=False)
+    for p, out, ref in zip(prompts, outs, plain, strict=True):
+        check(d, p, out.prompt_logprobs)
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
