@@ -116,3 +116,22 @@ def test_preemption_keeps_prompt_logprobs_and_tokens(
     for p, out, ref in zip(prompts, outs, plain, strict=True):
         check(d, p, out.prompt_logprobs)
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_with_ngram_speculation(tiny_models: dict[str, Path]) -> None:
+    """Prefill rows asking for prompt logprobs share steps with speculative decodes;
+    the decodes' tokens are those of the run without speculation."""
+    d = tiny_models["llama"]
+    loop = [11, 12, 13, 14, 15] * 6
+    prompts = [loop, *mixed_prompts(3, seed=15, lo=5, hi=30)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=TOP)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with LLM(str(d), dtype="float32", speculative_config=spec) as llm:
+        outs = llm.generate(batch, params, use_tqdm=False)
+        assert llm.get_stats()["spec_num_drafts"] > 0
+    with LLM(str(d), dtype="float32") as llm:
+        plain = llm.generate(batch, params, use_tqdm=False)
+    for p, out, ref in zip(prompts, outs, plain, strict=True):
+        check(d, p, out.prompt_logprobs)
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
