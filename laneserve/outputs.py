@@ -14,6 +14,8 @@ class Logprob:
 
 # one dict per generated token: token id -> Logprob (the chosen token and the top-n)
 SampleLogprobs = list[dict[int, Logprob]]
+# one entry per prompt token: None for the first (no prefix), else as above
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -46,6 +48,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs
     metrics: RequestMetrics | None = None
     error: str | None = None
 

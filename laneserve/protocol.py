@@ -67,6 +67,10 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     logprobs: list[TokenLogprobs] = []
     num_drafts: int = 0  # draft tokens verified in this step
     num_accepted: int = 0
+    # prompt logprobs of this step's prefill chunk: entry i is the prompt token
+    # at position prompt_start + i (given the tokens before it)
+    prompt_logprobs: list[TokenLogprobs] = []
+    prompt_start: int = 0
 
 
 class RequestError(msgspec.Struct, **_STRUCT):

@@ -41,6 +41,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # logprob of each prompt token after the first (given its prefix), plus the
+    # top-n; a request asking for them does not use prefix-cache hits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -85,6 +88,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check(
             self.logprobs is None or _int_in(self.logprobs, 0, _MAX_LOGPROBS),
             f"logprobs must be an integer in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}",
+        )
+        _check(
+            self.prompt_logprobs is None or _int_in(self.prompt_logprobs, 0, _MAX_LOGPROBS),
+            f"prompt_logprobs must be an integer in [0, {_MAX_LOGPROBS}], "
+            f"got {self.prompt_logprobs!r}",
         )
 
     def _validate_floats(self) -> None:

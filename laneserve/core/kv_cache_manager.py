@@ -155,8 +155,9 @@ class KVCacheManager:
         return hashes[: num_tokens // bs]
 
     def get_computed_blocks(self, req: Request) -> tuple[list[list[KVBlock]], int]:
-        """Longest cached prefix, leaving at least one token to compute."""
-        if not self.enable_caching:
+        """Longest cached prefix, leaving at least one token to compute. None for a
+        request that asks for prompt logprobs: every prompt position must be computed."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return [[] for _ in self.groups], 0
         hashes = self.block_hashes(req, req.num_tokens - 1)
         hits = [g.find_hit(hashes) for g in self.groups]

@@ -72,10 +72,23 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     first_token_time: float | None = None
+    # per prompt position (None at 0 and until computed); only when asked for
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    def record_prompt_logprobs(self, start: int, entries: list) -> None:
+        """Entries for prompt positions start.. (a recompute after preemption sends
+        the same values again; the first ones stay)."""
+        if self.prompt_logprobs is None:
+            return
+        for i, entry in enumerate(entries, start):
+            if i < len(self.prompt_logprobs) and self.prompt_logprobs[i] is None:
+                self.prompt_logprobs[i] = entry
 
     @property
     def num_tokens(self) -> int:

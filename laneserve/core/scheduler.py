@@ -306,6 +306,8 @@ class Scheduler:
                 news.append(EngineCoreOutput(req, [], finished=True))
                 continue
             out = outputs.get(plan.handle)
+            if out is not None and out.prompt_logprobs:
+                req.record_prompt_logprobs(out.prompt_start, out.prompt_logprobs)
             if plan.sample:
                 news.append(self._reconcile(req, plan, out))
             elif plan.epoch == req.epoch:

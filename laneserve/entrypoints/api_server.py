@@ -94,7 +94,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(state, body.model)
         prompts = [_tokenize(state, p) for p in body.prompts()]
-        params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs))
+        params = _params(body.completion_params)
         return await _serve(state, request, "cmpl", body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -194,7 +194,9 @@ async def _serve(
         except ValueError as e:
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
     rid = f"{prefix}-{uuid.uuid4().hex}"
-    ctx = R.Context(rid, state.model_name, int(time.time()), chat, body, prompts, params.n)
+    ctx = R.Context(
+        rid, state.model_name, int(time.time()), chat, body, prompts, params.n, engine.tokenizer
+    )
     streams = await _admit(state, rid, prompts, params)
     if body.stream:
         return SSEResponse(_sse(state, ctx, streams), streams)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import msgspec
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -104,6 +105,19 @@ class CompletionRequest(_Common):
         if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
             raise ValueError("the prompt must not be empty (nor any prompt in a batch)")
         return p
+
+    @property
+    def prompt_only(self) -> bool:
+        """`echo` with `max_tokens=0` (not streamed): the prompt and its logprobs only."""
+        return self.echo and self.max_tokens == 0 and not self.stream
+
+    def completion_params(self) -> SamplingParams:
+        """`echo` + `logprobs` asks for the prompt's logprobs too; a prompt-only request
+        runs one step (its token is dropped)."""
+        params = self.sampling_params(1 if self.prompt_only else self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None and not self.stream:
+            params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

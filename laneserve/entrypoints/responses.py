@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from laneserve.frontend.output_processor import Delta
 from laneserve.outputs import Logprob
+
+
+class TokenText(Protocol):
+    def token_text(self, token_id: int) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -19,6 +24,7 @@ class Context:
     body: CompletionRequest | ChatCompletionRequest
     prompts: list[tuple[list[int], str | None]]
     n: int
+    tokenizer: TokenText | None = None  # echoed prompt tokens without a logprob entry
 
     @property
     def object_name(self) -> str:
@@ -35,6 +41,7 @@ class Choice:
     text: str = ""
     num_tokens: int = 0
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
 
 
@@ -47,17 +54,21 @@ class Accumulator:
         self.error: str | None = None
         self.echo = bool(getattr(ctx.body, "echo", False))
         self.num_logprobs = _requested_logprobs(ctx)
+        self.prompt_only = bool(getattr(ctx.body, "prompt_only", False))
 
     def _choice(self, prompt_index: int, d: Delta) -> Choice:
         return self.choices[prompt_index * self.ctx.n + d.state.index]
 
     def add(self, prompt_index: int, d: Delta) -> Choice:
         c = self._choice(prompt_index, d)
-        c.text += d.text
-        c.num_tokens += len(d.token_ids)
-        c.logprobs += d.logprobs
+        if c.prompt_logprobs is None:
+            c.prompt_logprobs = d.state.prompt_logprobs
+        if not self.prompt_only:  # NOTE: its one step's token is not part of the answer
+            c.text += d.text
+            c.num_tokens += len(d.token_ids)
+            c.logprobs += d.logprobs
         if d.finished:
-            c.finish_reason = d.state.finish_reason
+            c.finish_reason = "length" if self.prompt_only else d.state.finish_reason
             if d.state.error:
                 self.error = d.state.error
         return c
@@ -76,7 +87,10 @@ class Accumulator:
         }
 
     def _choice_body(self, c: Choice) -> dict:
-        lp = self._logprobs(c.logprobs) if self.num_logprobs is not None else None
+        entries: list[dict[int, Logprob] | None] = list(c.logprobs)
+        if self.echo and c.prompt_logprobs is not None:
+            entries = c.prompt_logprobs + entries
+        lp = self._logprobs(entries, c.index) if self.num_logprobs is not None else None
         if self.ctx.chat:
             return {
                 "index": c.index,
@@ -120,7 +134,7 @@ class Accumulator:
         c = self.add(prompt_index, d)
         if not (d.text or d.finished or (self.num_logprobs is not None and d.logprobs)):
             return []
-        lp = self._logprobs(d.logprobs) if self.num_logprobs is not None else None
+        lp = self._logprobs(list(d.logprobs), c.index) if self.num_logprobs is not None else None
         reason = _reason(c.finish_reason) if d.finished else None
         if self.ctx.chat:
             return [
@@ -153,21 +167,30 @@ class Accumulator:
         }
 
     # -- logprobs ----------------------------------------------------------------
-    def _logprobs(self, entries: list[dict[int, Logprob]]) -> dict:
+    def _logprobs(self, entries: list[dict[int, Logprob] | None], index: int) -> dict:
+        """`entries` may start with echoed prompt tokens; a None entry (the first prompt
+        token has no prefix) is that prompt token with null logprobs, as vLLM reports it."""
         n = self.num_logprobs or 0
         if self.ctx.chat:
-            return {"content": [_chat_logprob(e, n) for e in entries]}
-        chosen = [next(iter(e.values())) for e in entries]
+            return {"content": [_chat_logprob(e, n) for e in entries if e is not None]}
+        prompt_ids = self.ctx.prompts[index // self.ctx.n][0]
+        body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
         offsets, pos = [], 0
-        for lp in chosen:
+        for i, e in enumerate(entries):
+            if e is None:
+                tok = self.ctx.tokenizer
+                text = tok.token_text(prompt_ids[i]) if tok is not None else ""
+                value, top = None, None
+            else:
+                chosen = next(iter(e.values()))
+                text, value = chosen.decoded_token or "", chosen.logprob
+                top = {lp.decoded_token: lp.logprob for lp in _top(e, n)}
             offsets.append(pos)
-            pos += len(lp.decoded_token or "")
-        return {
-            "tokens": [lp.decoded_token for lp in chosen],
-            "token_logprobs": [lp.logprob for lp in chosen],
-            "top_logprobs": [{lp.decoded_token: lp.logprob for lp in _top(e, n)} for e in entries],
-            "text_offset": offsets,
-        }
+            pos += len(text)
+            body["tokens"].append(text)
+            body["token_logprobs"].append(value)
+            body["top_logprobs"].append(top)
+        return {**body, "text_offset": offsets}
 
 
 def _requested_logprobs(ctx: Context) -> int | None:

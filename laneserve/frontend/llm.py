@@ -180,6 +180,7 @@ def _request_output(rid: str, states: list[RequestState], texts: dict[int, str])
         prompt_token_ids=list(first.request.prompt_token_ids),
         outputs=[completion_output(s, texts.get(s.request.handle, "")) for s in states],
         finished=True,
+        prompt_logprobs=first.prompt_logprobs,
         metrics=request_metrics(first),
         error=errors[0] if errors else None,
     )

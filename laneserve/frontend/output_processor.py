@@ -12,7 +12,13 @@ from laneserve.core.request import Request
 from laneserve.core.scheduler import EngineCoreOutput
 from laneserve.frontend.detokenizer import IncrementalDetokenizer
 from laneserve.frontend.tokenizer import Tokenizer
-from laneserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from laneserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from laneserve.protocol import TokenLogprobs
 
 
@@ -25,6 +31,7 @@ class RequestState:
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # set with the first output
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -83,6 +90,11 @@ class OutputProcessor:
         now = time.monotonic()
         if out.new_token_ids and state.first_token_time is None:
             state.first_token_time = now
+        if state.prompt_logprobs is None and req.prompt_logprobs is not None:
+            # NOTE: complete here: the chunk that samples is the prompt's last
+            state.prompt_logprobs = [
+                self._entry(lp) if lp is not None else None for lp in req.prompt_logprobs
+            ]
         kept = out.new_token_ids
         consumed = state.detok.add_tokens(kept) if kept else None
         stopped = consumed is not None
@@ -105,16 +117,20 @@ class OutputProcessor:
     def _logprobs(self, state: RequestState, raw: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
         if state.logprobs is None:
             return []
-        dec = self.tokenizer.token_text
         out = []
         for lp in raw:
-            entry = {lp.token_id: Logprob(lp.logprob, lp.rank, dec(lp.token_id))}
-            for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
-                entry.setdefault(tid, Logprob(value, rank, dec(tid)))
-            out.append(entry)
+            out.append(self._entry(lp))
             state.cumulative_logprob = (state.cumulative_logprob or 0.0) + lp.logprob
         state.logprobs.extend(out)
         return out
+
+    def _entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """The chosen token, then the top-n (vLLM's shape)."""
+        dec = self.tokenizer.token_text
+        entry = {lp.token_id: Logprob(lp.logprob, lp.rank, dec(lp.token_id))}
+        for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
+            entry.setdefault(tid, Logprob(value, rank, dec(tid)))
+        return entry
 
     def abort(self, handle: int) -> RequestState | None:
         state = self.states.pop(handle, None)

@@ -28,7 +28,7 @@ from laneserve.protocol import RequestError, RequestOutput, StepResult, TokenLog
 from laneserve.sample.step import Drafts, SampledStep, TreeRows, sample_step
 from laneserve.spec_decode.base import Proposer, StepView
 from laneserve.spec_decode.proposers import MtpProposer
-from laneserve.worker import side_rows
+from laneserve.worker import prompt_logprobs, side_rows
 from laneserve.worker.input_batch import SlotTable
 from laneserve.worker.kv_cache import KvCache
 from laneserve.worker.side_rows import KvStack, SideStep
@@ -77,6 +77,7 @@ class DeviceOutputs:
     logprobs: tuple[torch.Tensor, ...] | None  # chosen, rank, top ids, top lps per logits row
     num_drafts: torch.Tensor | None  # [Rs] real drafts verified (None: no speculation)
     errors: list[RequestError]
+    prompt_logprobs: tuple[torch.Tensor, ...] | None = None  # see prompt_logprobs.py
 
 
 @dataclass
@@ -132,6 +133,11 @@ class ModelRunner:
         fwd = self._forward(inp, ids, positions, meta)
         if self.capture is not None:
             self.capture(inp, ids, positions, fwd.hidden)
+        prompt_lp = None
+        if inp.prompt_rows is not None:
+            prompt_lp = prompt_logprobs.compute(
+                self.model.compute_logits, fwd.hidden, inp.prompt_rows
+            )
         sampled = drafts = None
         if inp.sampling is not None:
             drafts = self._drafts(inp)
@@ -150,7 +156,7 @@ class ModelRunner:
         if self.proposer is not None:
             accepted = sampled.num_accepted if sampled is not None else None
             self._propose(inp, fwd.hidden, positions, meta, accepted)
-        return _outputs(inp, sampled, drafts)
+        return replace(_outputs(inp, sampled, drafts), prompt_logprobs=prompt_lp)
 
     def release(self, pairs: list[tuple[int, int]]) -> None:
         for slot, gen in pairs:
@@ -313,8 +319,16 @@ class ModelRunner:
     # -- output lane -------------------------------------------------------
     def reclaim(self, out: DeviceOutputs) -> StepResult:
         inp = out.inputs
-        if out.errors or out.tokens is None:
+        if out.errors:
             return StepResult(step_id=inp.step_id, errors=out.errors)
+        outputs = self._sampled_outputs(out) if out.tokens is not None else []
+        if out.prompt_logprobs is not None:
+            assert inp.prompt_rows is not None
+            prompt_logprobs.attach(inp.prompt_rows, out.prompt_logprobs, outputs)
+        return StepResult(step_id=inp.step_id, outputs=outputs)
+
+    def _sampled_outputs(self, out: DeviceOutputs) -> list[RequestOutput]:
+        inp = out.inputs
         tokens = out.tokens.tolist()
         emitted = out.num_emitted.tolist()
         lp = _logprobs_lists(out) if out.logprobs is not None else None
@@ -328,7 +342,7 @@ class ModelRunner:
                 logprobs = [_trim(lp[(i, j)], row.num_logprobs) for j in range(len(toks))]
             nd = drafts[i] if drafts is not None else 0
             outputs.append(RequestOutput(row.handle, toks, logprobs, nd, len(toks) - 1))
-        return StepResult(step_id=inp.step_id, outputs=outputs)
+        return outputs
 
 
 def _outputs(inp: StepInputs, sampled: SampledStep | None, drafts: Drafts | None) -> DeviceOutputs:

@@ -28,6 +28,7 @@ from laneserve.protocol import ScheduledRequest, StepCommand
 from laneserve.sample.sampler import RowSampling, SamplingBatch
 from laneserve.sample.sampler import prepare as prepare_sampling
 from laneserve.sample.step import SampleRows
+from laneserve.worker import prompt_logprobs
 from laneserve.worker.input_batch import CommandError, InputSlot, RequestTable, WorkerRequest
 
 
@@ -140,6 +141,7 @@ class StepInputs:
     attention: AttentionInputs
     sampling: SamplingBatch | None
     spec: SpecInputs
+    prompt_rows: prompt_logprobs.PromptRows | None = None  # prefill rows asking for them
 
 
 @dataclass
@@ -181,6 +183,7 @@ def build_inputs(
         attention=_attention(plan, tables, table.block_size, dev),
         sampling=_sampling(plan, layout),
         spec=_speculation(plan, tables[0], layout, dev),
+        prompt_rows=prompt_logprobs.plan(plan.sched, plan.reqs, plan.starts, dev),
     )
 
 
