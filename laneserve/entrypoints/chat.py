@@ -14,6 +14,7 @@ from types import FrameType
 from typing import TextIO
 
 from laneserve.engine_args import EngineArgs
+from laneserve.entrypoints.sampling_flags import add_sampling_flags, sampling_params_from
 
 HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D); Ctrl-C stops a reply"
 
@@ -21,14 +22,7 @@ HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D); Ctrl-C st
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive chat in the terminal, streaming the replies")
     p.add_argument("--system", default=None, help="a system message that opens the conversation")
-    p.add_argument("--max-tokens", type=int, default=512, help="most tokens in one reply")
-    p.add_argument(
-        "--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)"
-    )
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (1: off)")
-    p.add_argument(
-        "--ignore-eos", action="store_true", help="reply until --max-tokens (for benchmarking)"
-    )
+    add_sampling_flags(p, max_tokens=512, temperature=0.7, top_p=0.9)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_chat)
 
@@ -45,16 +39,10 @@ class StopFlag:
 
 
 def run_chat(ns: argparse.Namespace) -> int:
-    from laneserve import LLM, SamplingParams
+    from laneserve import LLM
 
     args = EngineArgs.from_cli(ns)
-    params = SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        ignore_eos=ns.ignore_eos,
-        seed=ns.seed if ns.temperature > 0 else None,
-    )
+    params = sampling_params_from(ns)
     llm = LLM(**vars(args))
     try:
         return chat_loop(llm, params, ns.system, sys.stdin, sys.stdout)

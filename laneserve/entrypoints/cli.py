@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from laneserve.engine_args import EngineArgs
+from laneserve.entrypoints.sampling_flags import add_sampling_flags, sampling_params_from
 
 log = logging.getLogger("laneserve")
 
@@ -77,12 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt (offline)")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0: off)")
+    add_sampling_flags(p, max_tokens=128, temperature=0.0, top_p=1.0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument(
         "--no-stream",
         dest="stream",
@@ -94,17 +91,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def run_generate(ns: argparse.Namespace) -> int:
-    from laneserve import LLM, SamplingParams
+    from laneserve import LLM
 
     args = EngineArgs.from_cli(ns)
-    params = SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        ignore_eos=ns.ignore_eos,
-        seed=ns.seed if ns.temperature > 0 else None,
-    )
+    params = sampling_params_from(ns)
     llm = LLM(**vars(args))
     try:
         prompt = ns.prompt

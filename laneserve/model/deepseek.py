@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.model.arch import ArchConfig, DeepseekParams
 from laneserve.model.attention import AttentionMetadata
-from laneserve.model.layers import GatedMLP, Kernels, Linear, RMSNorm
+from laneserve.model.layers import GatedMLP, Kernels, Linear, RMSNorm, run_decoder
 from laneserve.model.mla import MlaAttention
 from laneserve.model.moe import MoE
 from laneserve.model.rope import MlaRotary
@@ -110,14 +110,7 @@ class DeepseekModel:
         meta: AttentionMetadata,
         caches: list[LayerCache],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, H]
-        residual = self.embed(input_ids)
-        hidden = self.layers[0].input_norm(residual)
-        for i, layer in enumerate(self.layers):
-            if i:
-                layer.input_norm.add_(hidden, residual)
-            hidden = layer(positions, hidden, residual, caches[i], meta)
-        self.norm.add_(hidden, residual)
-        return hidden, residual
+        return run_decoder(self.embed, self.layers, self.norm, input_ids, positions, meta, caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] fp32
         return self.lm_head(hidden).float()

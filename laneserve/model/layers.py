@@ -8,6 +8,9 @@ the C++ CPU kernels or on plain torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 
 from laneserve.kernels import Kernels, PackedWeight
@@ -84,3 +87,26 @@ class GatedMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.kernels.silu_and_mul(self.gate_up(x)))
+
+
+def run_decoder(
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    layers: Sequence[
+        Any
+    ],  # each: .input_norm (RMSNorm), called (pos, hidden, residual, cache, meta)
+    norm: RMSNorm,
+    input_ids: torch.Tensor,  # [T] int64
+    positions: torch.Tensor,  # [T] int64
+    meta: Any,  # AttentionMetadata
+    caches: Sequence[Any],  # one per layer
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, H]: final-normed hidden, residual
+    """The pre-norm residual stack every decoder family here shares: each layer's input
+    norm is fused with the residual add of the layer before."""
+    residual = embed(input_ids)
+    hidden = layers[0].input_norm(residual)
+    for i, layer in enumerate(layers):
+        if i:
+            layer.input_norm.add_(hidden, residual)
+        hidden = layer(positions, hidden, residual, caches[i], meta)
+    norm.add_(hidden, residual)
+    return hidden, residual

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.model.arch import ArchConfig
 from laneserve.model.attention import AttentionMetadata, Kernels, paged_attention
-from laneserve.model.layers import GatedMLP, Linear, RMSNorm, Rotary
+from laneserve.model.layers import GatedMLP, Linear, RMSNorm, Rotary, run_decoder
 
 WeightGetter = Callable[[str], torch.Tensor]
 
@@ -141,14 +141,9 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, H]
-        residual = self.embed(input_ids)
-        hidden = self.layers[0].input_norm(residual)
-        for i, layer in enumerate(self.layers):
-            if i:
-                layer.input_norm.add_(hidden, residual)
-            hidden = layer(positions, hidden, residual, kv_caches[i], meta)
-        self.norm.add_(hidden, residual)
-        return hidden, residual
+        return run_decoder(
+            self.embed, self.layers, self.norm, input_ids, positions, meta, kv_caches
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] fp32
         return self.lm_head(hidden).float()
