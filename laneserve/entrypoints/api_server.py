@@ -92,6 +92,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_fields(body)
         _check_model(state, body.model)
         prompts = [_tokenize(state, p) for p in body.prompts()]
         params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs))
@@ -99,6 +100,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_fields(body)
         _check_model(state, body.model)
         engine = _engine(state)
         try:
@@ -136,6 +138,12 @@ def _engine(state: ServerState):
     if problem is not None:
         raise APIError(503, f"unavailable: {problem}", "ServiceUnavailableError")
     return state.llm.engine
+
+
+def _check_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
+    bad = body.unsupported_field()
+    if bad is not None:
+        raise APIError(400, bad[1], param=bad[0])
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -177,6 +185,21 @@ def _check_limits(state: ServerState, engine, params: SamplingParams, num_prompt
         )
 
 
+def _check_context(engine, ids: list[int], params: SamplingParams, chat: bool) -> None:
+    """Prompt + max_tokens must fit the context (a 400, as vLLM does, not a cut-off)."""
+    limit, n = engine.max_model_len, len(ids)
+    if params.max_tokens is None or n >= limit or n + params.max_tokens <= limit:
+        return  # NOTE: a prompt alone too long is check_request's error
+    field = "max_completion_tokens" if chat else "max_tokens"
+    raise APIError(
+        400,
+        f"'{field}' is too large: {params.max_tokens}. This model's maximum context length "
+        f"(max_model_len) is {limit} tokens and your request has {n} input tokens "
+        f"({params.max_tokens} > {limit} - {n}).",
+        param=field,
+    )
+
+
 async def _serve(
     state: ServerState,
     request: Request,
@@ -193,6 +216,7 @@ async def _serve(
             engine.check_request(ids, params)
         except ValueError as e:
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+        _check_context(engine, ids, params, chat)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ctx = R.Context(rid, state.model_name, int(time.time()), chat, body, prompts, params.n)
     streams = await _admit(state, rid, prompts, params)

@@ -22,6 +22,7 @@ from pydantic import (
     field_validator,
 )
 
+from laneserve.entrypoints.field_policy import unsupported_field
 from laneserve.sampling_params import SamplingParams, is_valid_utf8
 
 
@@ -39,6 +40,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
+    # NOTE: extra fields are kept so that `unsupported_field` can name them (a 400)
     model_config = ConfigDict(extra="allow")
 
     model: Text | None = None
@@ -86,6 +88,10 @@ class _Common(BaseModel):
         kw.update({k: v for k, v in optional.items() if v is not None})
         return SamplingParams(**kw)
 
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """(field, message) for a field this request may not carry (see field_policy)."""
+        return unsupported_field(dict(self.model_extra or {}), self.n)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -96,7 +102,6 @@ class CompletionRequest(_Common):
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
     echo: StrictBool = False
-    suffix: Text | None = None
 
     @field_validator("prompt")
     @classmethod
