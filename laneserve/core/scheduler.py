@@ -238,7 +238,7 @@ class Scheduler:
         return budget
 
     def _num_drafts(self, req: Request) -> int:
-        if not self.num_spec_tokens or req.sampling_params.uses_penalties:
+        if not self.num_spec_tokens or req.sampling_params.never_speculates:
             return 0
         if self.spec_disable_batch is not None and len(self.running) >= self.spec_disable_batch:
             return 0  # a large batch: verifying drafts costs more than it saves

@@ -60,7 +60,6 @@ NEUTRAL: dict[str, Callable[[object], bool]] = {
     "guided_whitespace_pattern": _off,
     "structured_outputs": _off,
     "prompt_logprobs": _off,
-    "logit_bias": _off,
     "use_beam_search": _off,
     "modalities": _text_modalities,
     "audio": _off,

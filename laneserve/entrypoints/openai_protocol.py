@@ -62,6 +62,7 @@ class _Common(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI: token ids as strings
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         kw = {
@@ -75,6 +76,7 @@ class _Common(BaseModel):
             "seed": self.seed,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": self._token_bias(),
         }
         optional = {
             "temperature": self.temperature,
@@ -87,6 +89,16 @@ class _Common(BaseModel):
         }
         kw.update({k: v for k, v in optional.items() if v is not None})
         return SamplingParams(**kw)
+
+    def _token_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
+            out[int(key)] = value
+        return out
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """(field, message) for a field this request may not carry (see field_policy)."""

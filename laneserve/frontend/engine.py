@@ -94,6 +94,9 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids or () if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str) -> None:
         for state in self.groups.pop(request_id, []):
