@@ -58,6 +58,7 @@ class ServerState:
     protect_metrics: bool = False  # /metrics needs the API key too
     allowed_origins: list[str] = field(default_factory=list)  # CORS; none by default
     draining: bool = False  # shutting down: health is 503, new requests too
+    aliases: list[str] = field(default_factory=list)  # more served names of the model
     metrics: ServerMetrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -88,7 +89,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return R.model_list(state.model_name, state.created)
+        return R.model_list([state.model_name, *state.aliases], state.created)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -147,7 +148,7 @@ def _check_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
+    if model is not None and model != state.model_name and model not in state.aliases:
         raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
 

@@ -21,7 +21,11 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 @pytest.fixture(scope="module")
 def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
-    s = start_server(tiny_models["llama"])
+    # vLLM's flags: several served names, accepted no-ops, uvicorn's log level
+    s = start_server(
+        tiny_models["llama"], "--served-model-name", "tiny", "alias-b", "--trust-remote-code",
+        "--disable-log-requests", "--uvicorn-log-level", "error", "--tensor-parallel-size", "1",
+    )  # fmt: skip
     yield s
     stop_server(s)
 
@@ -114,3 +118,12 @@ def test_prompt_plus_max_tokens_beyond_context_is_400(server: Server) -> None:
     chat = server.post(CHAT, {"messages": [{"role": "user", "content": "word " * 20}],
                               "max_completion_tokens": 255})  # fmt: skip
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_completion_tokens"
+
+
+def test_every_served_name_is_listed_and_answers(server: Server) -> None:
+    ids = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
+    assert ids == ["tiny", "alias-b"]
+    body = {"prompt": "hi", "max_tokens": 2}
+    r = server.post(CMPL, {**body, "model": "alias-b"})
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
+    assert server.post(CMPL, {**body, "model": "alias-c"}).status_code == 404
