@@ -28,6 +28,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0
     use_kernels: bool = True  # CPU C++ kernels when they build
+    chat_template: str | None = None  # a file, or the template itself (None: the model's)
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

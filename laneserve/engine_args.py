@@ -61,6 +61,11 @@ class EngineArgs:
     tokenizer: str | None = _from_config(
         ModelConfig, "tokenizer", "tokenizer directory (default: the model's own)"
     )
+    chat_template: str | None = _from_config(
+        ModelConfig,
+        "chat_template",
+        "chat template: a file or the Jinja text itself (default: the tokenizer's)",
+    )
     dtype: str = _from_config(
         ModelConfig,
         "dtype",
@@ -159,6 +164,7 @@ class EngineArgs:
             model=ModelConfig(
                 model=self.model or "",
                 tokenizer=self.tokenizer,
+                chat_template=self.chat_template,
                 dtype=self.dtype,
                 device=self.device,
                 max_model_len=self.max_model_len,

@@ -106,7 +106,11 @@ def build_app(state: ServerState) -> FastAPI:
         engine = _engine(state)
         try:
             ids = engine.tokenizer.apply_chat_template(
-                body.chat_messages(), body.add_generation_prompt
+                body.chat_messages(),
+                body.add_generation_prompt and not body.continue_final_message,
+                chat_template=body.chat_template,
+                chat_template_kwargs=body.chat_template_kwargs,
+                continue_final_message=body.continue_final_message,
             )
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="messages") from None

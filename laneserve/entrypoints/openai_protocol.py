@@ -156,6 +156,9 @@ class ChatCompletionRequest(_Common):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: Text | None = None
+    chat_template_kwargs: dict | None = None
 
     def chat_messages(self) -> list[dict]:
         out = []

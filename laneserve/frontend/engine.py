@@ -43,7 +43,9 @@ class LLMEngine:
         self.core = EngineCore(config, self.client, self.tracer)
         ready = self.client.ready
         self.model_dir = Path(ready.model_dir)
-        self.tokenizer = Tokenizer(config.model.tokenizer or ready.model_dir)
+        self.tokenizer = Tokenizer(
+            config.model.tokenizer or ready.model_dir, config.model.chat_template
+        )
         self.processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = _eos_ids(self.model_dir, ready.eos_token_ids, self.tokenizer)
         self.groups: dict[str, list[RequestState]] = {}

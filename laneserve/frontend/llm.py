@@ -53,16 +53,23 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: `chat_template` (the text) overrides the served template,
+        `chat_template_kwargs` reach it as variables."""
         # one conversation (a list of messages) or a list of them
         one = bool(messages) and isinstance(messages[0], dict)
         conversations = cast(list[list[dict]], [messages] if one else messages)
+        kw = {
+            "add_generation_prompt": add_generation_prompt and not continue_final_message,
+            "chat_template": chat_template,
+            "chat_template_kwargs": chat_template_kwargs,
+            "continue_final_message": continue_final_message,
+        }
         prompts = [
-            {
-                "prompt_token_ids": self.engine.tokenizer.apply_chat_template(
-                    c, add_generation_prompt
-                )
-            }
+            {"prompt_token_ids": self.engine.tokenizer.apply_chat_template(c, **kw)}
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -127,3 +127,19 @@ def test_every_served_name_is_listed_and_answers(server: Server) -> None:
     r = server.post(CMPL, {**body, "model": "alias-b"})
     assert r.status_code == 200 and r.json()["model"] == "tiny"
     assert server.post(CMPL, {**body, "model": "alias-c"}).status_code == 404
+
+
+def test_chat_template_and_kwargs_in_a_request(
+    server: Server, tiny_models: dict[str, Path]
+) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ tail }}"
+    body = {"messages": USER, "max_tokens": 1, "chat_template": template,
+            "chat_template_kwargs": {"tail": "end"}}  # fmt: skip
+    r = server.post(CHAT, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("hi|end", add_special_tokens=False))
+    bad = server.post(CHAT, {**body, "chat_template": "{% for %}"})
+    assert bad.status_code == 400 and "chat template failed" in bad.json()["error"]["message"]
