@@ -72,6 +72,7 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     first_token_time: float | None = None
+    scheduled_time: float | None = None  # first scheduled (queue time ends)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

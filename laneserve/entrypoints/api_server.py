@@ -34,7 +34,7 @@ from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, Complet
 from laneserve.entrypoints.streams import SSEResponse, client_left, close_all, merged
 from laneserve.frontend.async_llm import AsyncLLM, EngineStoppedError
 from laneserve.frontend.output_processor import Delta
-from laneserve.obs.metrics import ServerMetrics
+from laneserve.obs.metrics import RequestTimes, ServerMetrics
 from laneserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -317,8 +317,18 @@ def _record(state: ServerState, d: Delta, clock: dict[int, float]) -> None:
         clock[key] = now
     if d.finished:
         clock.pop(key, None)
-        ttft = (st.first_token_time - st.request.arrival_time) if st.first_token_time else None
-        state.metrics.observe_request(ttft, now - st.request.arrival_time)
+        req = st.request
+        state.metrics.observe_request(
+            RequestTimes(
+                arrival=req.arrival_time,
+                scheduled=req.scheduled_time,
+                first_token=st.first_token_time,
+                finished=now,
+                num_prompt=len(req.prompt_token_ids),
+                num_output=len(st.token_ids),
+                reason="error" if st.error else st.finish_reason,
+            )
+        )
 
 
 # -- middleware and errors ---------------------------------------------------------

@@ -198,6 +198,7 @@ async def _announce(
         return
     eng = llm.engine
     assert eng is not None  # ready without a load error: the engine exists
+    state.metrics.describe(eng)
     log.info(
         "ready: serving %s at http://%s:%d/v1 (max_model_len %d, %s worker, %s)",
         state.model_name,

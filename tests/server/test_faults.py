@@ -83,7 +83,7 @@ def test_worker_killed_mid_stream(server: Server) -> None:
         t.start()
     for ev in started:
         assert ev.wait(120), "the streams did not start"
-    wait_for(lambda: server.metrics()["laneserve:num_requests_running"] == 3 * 8, "all running")
+    wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 3 * 8, "all running")
     health = HealthLog(server)
     os.kill(old_pid, signal.SIGKILL)
     for t in threads:

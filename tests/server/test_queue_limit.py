@@ -35,7 +35,7 @@ def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
 
 
 def _gauge(server: Server, name: str) -> float:
-    return server.metrics()[f"laneserve:num_requests_{name}"]
+    return server.metrics()[f"vllm:num_requests_{name}"]
 
 
 def test_queue_full_while_one_request_runs(server: Server) -> None:
