@@ -29,6 +29,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     use_kernels: bool = True  # CPU C++ kernels when they build
     chat_template: str | None = None  # a file, or the template itself (None: the model's)
+    generation_config: str = "vllm"  # "auto": the model's generation_config.json defaults
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -66,6 +66,11 @@ class EngineArgs:
         "chat_template",
         "chat template: a file or the Jinja text itself (default: the tokenizer's)",
     )
+    generation_config: str = _from_config(
+        ModelConfig,
+        "generation_config",
+        "auto: unset sampling fields come from the model's generation_config.json; vllm: ignore it; or a folder",
+    )
     dtype: str = _from_config(
         ModelConfig,
         "dtype",
@@ -165,6 +170,7 @@ class EngineArgs:
                 model=self.model or "",
                 tokenizer=self.tokenizer,
                 chat_template=self.chat_template,
+                generation_config=self.generation_config,
                 dtype=self.dtype,
                 device=self.device,
                 max_model_len=self.max_model_len,

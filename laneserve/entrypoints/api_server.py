@@ -96,7 +96,8 @@ def build_app(state: ServerState) -> FastAPI:
         _check_fields(body)
         _check_model(state, body.model)
         prompts = [_tokenize(state, p) for p in body.prompts()]
-        params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs))
+        defaults = _engine(state).sampling_defaults
+        params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs, defaults))
         return await _serve(state, request, "cmpl", body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -115,7 +116,11 @@ def build_app(state: ServerState) -> FastAPI:
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="messages") from None
         prompts = [(ids, None)]
-        params = _params(lambda: body.sampling_params(body.max_new_tokens(), body.num_logprobs()))
+        params = _params(
+            lambda: body.sampling_params(
+                body.max_new_tokens(), body.num_logprobs(), engine.sampling_defaults
+            )
+        )
         return await _serve(state, request, "chatcmpl", body, prompts, params, chat=True)
 
     return app

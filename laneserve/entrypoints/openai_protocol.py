@@ -64,10 +64,14 @@ class _Common(BaseModel):
     user: Text | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI: token ids as strings
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        """`defaults`: values for the fields the request leaves unset (--generation-config)."""
+        defaults = defaults or {}
         kw = {
             "n": self.n,
-            "max_tokens": max_tokens,
+            "max_tokens": max_tokens if max_tokens is not None else defaults.get("max_tokens"),
             "logprobs": logprobs,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
@@ -87,6 +91,7 @@ class _Common(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        kw.update({k: v for k, v in defaults.items() if k in optional and optional[k] is None})
         kw.update({k: v for k, v in optional.items() if v is not None})
         return SamplingParams(**kw)
 

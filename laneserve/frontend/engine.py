@@ -16,6 +16,7 @@ import msgspec
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import EngineCore, WorkerClient
 from laneserve.core.request import Request
+from laneserve.frontend.generation_config import generation_defaults
 from laneserve.frontend.output_processor import Delta, OutputProcessor, RequestState
 from laneserve.frontend.tokenizer import Tokenizer
 from laneserve.obs.profiling import Tracer
@@ -47,6 +48,8 @@ class LLMEngine:
             config.model.tokenizer or ready.model_dir, config.model.chat_template
         )
         self.processor = OutputProcessor(self.tokenizer)
+        # defaults for unset sampling fields (--generation-config)
+        self.sampling_defaults = generation_defaults(config.model.generation_config, self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, ready.eos_token_ids, self.tokenizer)
         self.groups: dict[str, list[RequestState]] = {}
 

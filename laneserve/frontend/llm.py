@@ -40,7 +40,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         items = _as_list(prompts)
-        params = _params_list(sampling_params, len(items))
+        params = _params_list(sampling_params, len(items), self.engine.sampling_defaults)
         tokenized = [self.engine.tokenize(p) for p in items]
         for ids, _ in tokenized:  # NOTE: validate everything before adding anything
             self.engine.core.check_prompt(ids)
@@ -201,10 +201,10 @@ def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int, defaults: dict
 ) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
+    if params is None:  # NOTE: the model's generation defaults (--generation-config auto)
+        return [SamplingParams(**defaults) for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

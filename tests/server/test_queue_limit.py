@@ -28,7 +28,11 @@ LONG = {
 @pytest.fixture(scope="module")
 def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
     s = start_server(
-        tiny_models["qwen3"], "--max-queued-requests", str(LIMIT), "--max-model-len", "512"
+        tiny_models["qwen3"],
+        "--max-queued-requests",
+        str(LIMIT),
+        "--max-model-len",
+        "1024",  # prompt + 500 must fit
     )
     yield s
     stop_server(s)
