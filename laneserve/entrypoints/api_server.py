@@ -59,6 +59,7 @@ class ServerState:
     allowed_origins: list[str] = field(default_factory=list)  # CORS; none by default
     draining: bool = False  # shutting down: health is 503, new requests too
     aliases: list[str] = field(default_factory=list)  # more served names of the model
+    trust_request_chat_template: bool = False  # a request may bring its own template
     metrics: ServerMetrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -104,6 +105,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_fields(body)
         _check_model(state, body.model)
+        if body.chat_template is not None and not state.trust_request_chat_template:
+            raise APIError(
+                400,
+                "chat_template: a request's own template needs --trust-request-chat-template",
+                param="chat_template",
+            )
         engine = _engine(state)
         try:
             ids = engine.tokenizer.apply_chat_template(

@@ -78,6 +78,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="uvicorn's own log level (access lines at info)",
     )
     p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat_template (rendered in a sandbox; costs CPU)",
+    )
+    p.add_argument(
         "--disable-log-requests",
         action="store_true",
         help="accepted for vLLM compatibility: laneserve never logs request contents",
@@ -129,6 +134,7 @@ def run(ns: argparse.Namespace) -> int:
         protect_metrics=ns.protect_metrics,
         allowed_origins=list(ns.allowed_origins),
         aliases=list(ns.served_model_name or [])[1:],
+        trust_request_chat_template=ns.trust_request_chat_template,
     )
     llm.on_step = lambda engine, deltas: state.metrics.refresh(engine)
     app = build_app(state)

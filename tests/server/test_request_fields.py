@@ -25,6 +25,7 @@ def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
     s = start_server(
         tiny_models["llama"], "--served-model-name", "tiny", "alias-b", "--trust-remote-code",
         "--disable-log-requests", "--uvicorn-log-level", "error", "--tensor-parallel-size", "1",
+        "--trust-request-chat-template",
     )  # fmt: skip
     yield s
     stop_server(s)
