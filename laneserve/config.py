@@ -28,12 +28,16 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0
     use_kernels: bool = True  # CPU C++ kernels when they build
+    chat_template: str | None = None  # a file, or the template itself (None: the model's)
+    generation_config: str = "vllm"  # "auto": the model's generation_config.json defaults
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 16
     kv_cache_memory_gib: float = 2.0  # budget for all KV blocks
     num_kv_blocks: int | None = None  # explicit block count (wins over the budget)
+    # CUDA: fraction of device memory for weights + KV (wins over kv_cache_memory_gib)
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
 
 
@@ -246,6 +250,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"block_size must be a power of two <= 128, got {c.block_size}")
         if c.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {c.kv_cache_memory_gib}")
+        if c.gpu_memory_utilization is not None and not 0 < c.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}"
+            )
         if c.num_kv_blocks is not None and c.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {c.num_kv_blocks}")
         if s.max_num_seqs < 1:

@@ -9,6 +9,7 @@ written once. Defaults that the frozen config also has are read from it
 from __future__ import annotations
 
 import argparse
+import logging
 import typing
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
@@ -47,6 +48,8 @@ def _from_config(struct: type[msgspec.Struct], name: str, help: str, **kw: Any) 
     return _arg(info.default, help, **kw)
 
 
+log = logging.getLogger(__name__)
+
 _SPECULATIVE_HELP = "JSON object (default: no speculation); " + speculative_keys_help()
 
 
@@ -57,6 +60,16 @@ class EngineArgs:
     )
     tokenizer: str | None = _from_config(
         ModelConfig, "tokenizer", "tokenizer directory (default: the model's own)"
+    )
+    chat_template: str | None = _from_config(
+        ModelConfig,
+        "chat_template",
+        "chat template: a file or the Jinja text itself (default: the tokenizer's)",
+    )
+    generation_config: str = _from_config(
+        ModelConfig,
+        "generation_config",
+        "auto: unset sampling fields come from the model's generation_config.json; vllm: ignore it; or a folder",
     )
     dtype: str = _from_config(
         ModelConfig,
@@ -76,6 +89,11 @@ class EngineArgs:
     block_size: int = _from_config(CacheConfig, "block_size", "tokens per KV cache block")
     kv_cache_memory: float = _from_config(
         CacheConfig, "kv_cache_memory_gib", "KV cache budget in GiB"
+    )
+    gpu_memory_utilization: float | None = _from_config(
+        CacheConfig,
+        "gpu_memory_utilization",
+        "CUDA only: fraction of device memory for weights + KV, wins over --kv-cache-memory",
     )
     num_kv_blocks: int | None = _from_config(
         CacheConfig,
@@ -122,8 +140,31 @@ class EngineArgs:
     use_kernels: bool = _from_config(
         ModelConfig, "use_kernels", "CPU C++ kernels (built on first use)", flag="--kernels"
     )
+    trust_remote_code: bool = _arg(
+        False, "accepted for vLLM compatibility; no remote code ever runs here"
+    )
+    tensor_parallel_size: int = _arg(1, "devices per model; only 1 is supported")
+
+    def _check_compat(self) -> None:
+        """vLLM's arguments that laneserve accepts with a narrower meaning."""
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} is not supported: "
+                "laneserve runs a model on one device (use 1)"
+            )
+        if self.trust_remote_code:
+            log.info("trust_remote_code: accepted; laneserve never runs a model's remote code")
+        if self.gpu_memory_utilization is not None:
+            from laneserve.model.loader import resolve_device
+
+            if resolve_device(self.device).type != "cuda":
+                raise ValueError(
+                    "gpu_memory_utilization applies to CUDA devices only; on CPU set the "
+                    "KV cache budget with --kv-cache-memory (GiB)"
+                )
 
     def create_config(self) -> EngineConfig:
+        self._check_compat()
         from laneserve.model.limits import check_max_model_len
 
         # NOTE: before anything loads: a too long context is refused in a second
@@ -132,6 +173,8 @@ class EngineArgs:
             model=ModelConfig(
                 model=self.model or "",
                 tokenizer=self.tokenizer,
+                chat_template=self.chat_template,
+                generation_config=self.generation_config,
                 dtype=self.dtype,
                 device=self.device,
                 max_model_len=self.max_model_len,
@@ -142,6 +185,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 kv_cache_memory_gib=self.kv_cache_memory,
                 num_kv_blocks=self.num_kv_blocks,
+                gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(

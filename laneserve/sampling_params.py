@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 _MAX_LOGPROBS = 20
+_MAX_BIAS = 100.0  # OpenAI's range for logit_bias values
 # NOTE: the params cross to the worker as msgpack (64-bit integers) and land in
 # int64 tensors / torch generators: every integer is bounded so that no value can
 # fail there, far from the client that sent it.
@@ -24,6 +25,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     tokens: positive logits are divided by it, negative ones multiplied),
     `presence_penalty` and `frequency_penalty` (OpenAI style, over output
     tokens: logit -= presence * [count > 0] + frequency * count).
+    `logit_bias` (OpenAI): token id -> a value in [-100, 100] added to that
+    token's logit before penalties and sampling (greedy included).
     """
 
     n: int = 1
@@ -46,6 +49,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +62,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         self._validate_counts()
         self._validate_floats()
         self._validate_stops()
+        self._validate_bias()
 
     def _validate_counts(self) -> None:
         _check(
@@ -136,6 +141,20 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 f"stop_token_ids must be integers in [0, {INT32_MAX}], got {self.stop_token_ids!r}",
             )
 
+    def _validate_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        _check(isinstance(self.logit_bias, dict), "logit_bias must map token ids to numbers")
+        for tok, bias in self.logit_bias.items():
+            _check(
+                _int_in(tok, 0, INT32_MAX),
+                f"logit_bias: token ids must be integers in [0, {INT32_MAX}], got {tok!r}",
+            )
+            _check(
+                _is_number(bias) and -_MAX_BIAS <= bias <= _MAX_BIAS,
+                f"logit_bias: values must be in [-100, 100], got {bias!r} for token {tok}",
+            )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -147,6 +166,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def never_speculates(self) -> bool:
+        """Logits processing that reads the history or is applied to one logits row
+        per request (penalties, logit_bias): such requests decode without drafts."""
+        return self.uses_penalties or bool(self.logit_bias)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -13,7 +13,13 @@ import textwrap
 import msgspec
 import pytest
 
-from laneserve.config import SPECULATIVE_KEYS, EngineConfig, ModelConfig, SpeculativeConfig
+from laneserve.config import (
+    SPECULATIVE_KEYS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SpeculativeConfig,
+)
 from laneserve.engine_args import EngineArgs, cli_flag
 from laneserve.entrypoints.cli import build_parser, main
 
@@ -170,3 +176,43 @@ def test_help_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_vllm_style_serve_command_line_parses() -> None:
+    ns = build_parser().parse_args(
+        ["serve", "some/model", "--served-model-name", "a", "b", "--trust-remote-code",
+         "--disable-log-requests", "--uvicorn-log-level", "info", "--tensor-parallel-size", "1",
+         "--gpu-memory-utilization", "0.9"]
+    )  # fmt: skip
+    assert ns.model_tag == "some/model" and ns.served_model_name == ["a", "b"]
+    assert ns.trust_remote_code and ns.disable_log_requests and ns.uvicorn_log_level == "info"
+    assert EngineArgs.from_cli(ns).gpu_memory_utilization == 0.9
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 is not supported"),
+        ({"gpu_memory_utilization": 0.9, "device": "cpu"}, "CUDA devices only.*--kv-cache-memory"),
+    ],
+)
+def test_vllm_arguments_with_a_narrower_meaning_fail_clearly(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model="m", **kwargs).create_config()
+
+
+def test_gpu_memory_utilization_range_and_trust_remote_code() -> None:
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        EngineConfig(
+            model=ModelConfig(model="m"),
+            cache=CacheConfig(gpu_memory_utilization=1.5),
+        ).validate()
+    cfg = EngineArgs(model="m", trust_remote_code=True).create_config()
+    assert cfg == EngineConfig(model=ModelConfig(model="m"))  # accepted, changes nothing
+
+
+def test_serve_rejects_two_different_models(capsys: pytest.CaptureFixture) -> None:
+    from laneserve.entrypoints.serve import run
+
+    ns = build_parser().parse_args(["serve", "a", "--model", "b"])
+    assert run(ns) == 2 and "two models" in capsys.readouterr().out

@@ -141,3 +141,33 @@ def test_logprobs_of_raw_distribution() -> None:
     lp = torch.log_softmax(logits, -1)
     assert torch.allclose(chosen, lp[:, 1]) and rank.tolist() == [2]
     assert top_ids.tolist() == [[2, 1]] and torch.allclose(top_lp, lp[:, [2, 1]])
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({5: 100.5}, "logit_bias: values must be in"),
+        ({5: "x"}, "logit_bias: values must be in"),
+        ({-1: 1.0}, "logit_bias: token ids"),
+        ({2**40: 1.0}, "logit_bias: token ids"),
+    ],
+)
+def test_invalid_logit_bias_names_the_field(bias: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_is_added_to_its_rows_only() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.5, 0.1, 0.2, 0.3]])
+    biased = SamplingParams(temperature=0, logit_bias={3: 100, 1: -100})
+    b = batch_for([biased, SamplingParams(temperature=0)], 4)
+    out = logits.clone()
+    sampler.apply_logit_bias(out, b)
+    assert torch.allclose(out[0], torch.tensor([1.0, -97.0, 2.0, 100.0]))
+    assert torch.equal(out[1], logits[1])
+    assert sampler.sample(out, b).tolist() == [3, 0]
+    # through a logits-row map (the rows of a step that also verifies drafts)
+    mapped = torch.zeros(3, 4)
+    sampler.apply_logit_bias(mapped, b, torch.tensor([2, 0]))
+    assert mapped[2, 3] == 100.0 and mapped[2, 1] == -100.0 and not mapped[:2].any()
+    assert batch_for([SamplingParams(logit_bias={})], 4).logit_bias is None

@@ -74,6 +74,7 @@ class Request:
     first_token_time: float | None = None
     # per prompt position (None at 0 and until computed); only when asked for
     prompt_logprobs: list | None = None
+    scheduled_time: float | None = None  # first scheduled (queue time ends)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

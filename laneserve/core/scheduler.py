@@ -16,6 +16,7 @@ a decode then schedules a placeholder token that the worker fills in itself.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -216,6 +217,7 @@ class Scheduler:
             self.kv.record_lookup(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                req.scheduled_time = time.monotonic()
             req.num_computed_tokens = num_hit
             resumed = req.registered
             if not req.registered:
@@ -238,7 +240,7 @@ class Scheduler:
         return budget
 
     def _num_drafts(self, req: Request) -> int:
-        if not self.num_spec_tokens or req.sampling_params.uses_penalties:
+        if not self.num_spec_tokens or req.sampling_params.never_speculates:
             return 0
         if self.spec_disable_batch is not None and len(self.running) >= self.spec_disable_batch:
             return 0  # a large batch: verifying drafts costs more than it saves

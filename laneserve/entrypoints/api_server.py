@@ -34,7 +34,7 @@ from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, Complet
 from laneserve.entrypoints.streams import SSEResponse, client_left, close_all, merged
 from laneserve.frontend.async_llm import AsyncLLM, EngineStoppedError
 from laneserve.frontend.output_processor import Delta
-from laneserve.obs.metrics import ServerMetrics
+from laneserve.obs.metrics import RequestTimes, ServerMetrics
 from laneserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ class ServerState:
     protect_metrics: bool = False  # /metrics needs the API key too
     allowed_origins: list[str] = field(default_factory=list)  # CORS; none by default
     draining: bool = False  # shutting down: health is 503, new requests too
+    aliases: list[str] = field(default_factory=list)  # more served names of the model
+    trust_request_chat_template: bool = False  # a request may bring its own template
     metrics: ServerMetrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -88,27 +90,44 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return R.model_list(state.model_name, state.created)
+        return R.model_list([state.model_name, *state.aliases], state.created)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_fields(body)
         _check_model(state, body.model)
         prompts = [_tokenize(state, p) for p in body.prompts()]
-        params = _params(body.completion_params)
+        defaults = _engine(state).sampling_defaults
+        params = _params(lambda: body.completion_params(defaults))
         return await _serve(state, request, "cmpl", body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_fields(body)
         _check_model(state, body.model)
+        if body.chat_template is not None and not state.trust_request_chat_template:
+            raise APIError(
+                400,
+                "chat_template: a request's own template needs --trust-request-chat-template",
+                param="chat_template",
+            )
         engine = _engine(state)
         try:
             ids = engine.tokenizer.apply_chat_template(
-                body.chat_messages(), body.add_generation_prompt
+                body.chat_messages(),
+                body.add_generation_prompt and not body.continue_final_message,
+                chat_template=body.chat_template,
+                chat_template_kwargs=body.chat_template_kwargs,
+                continue_final_message=body.continue_final_message,
             )
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="messages") from None
         prompts = [(ids, None)]
-        params = _params(lambda: body.sampling_params(body.max_new_tokens(), body.num_logprobs()))
+        params = _params(
+            lambda: body.sampling_params(
+                body.max_new_tokens(), body.num_logprobs(), engine.sampling_defaults
+            )
+        )
         return await _serve(state, request, "chatcmpl", body, prompts, params, chat=True)
 
     return app
@@ -138,8 +157,14 @@ def _engine(state: ServerState):
     return state.llm.engine
 
 
+def _check_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
+    bad = body.unsupported_field()
+    if bad is not None:
+        raise APIError(400, bad[1], param=bad[0])
+
+
 def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
+    if model is not None and model != state.model_name and model not in state.aliases:
         raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
 
@@ -177,6 +202,21 @@ def _check_limits(state: ServerState, engine, params: SamplingParams, num_prompt
         )
 
 
+def _check_context(engine, ids: list[int], params: SamplingParams, chat: bool) -> None:
+    """Prompt + max_tokens must fit the context (a 400, as vLLM does, not a cut-off)."""
+    limit, n = engine.max_model_len, len(ids)
+    if params.max_tokens is None or n >= limit or n + params.max_tokens <= limit:
+        return  # NOTE: a prompt alone too long is check_request's error
+    field = "max_completion_tokens" if chat else "max_tokens"
+    raise APIError(
+        400,
+        f"'{field}' is too large: {params.max_tokens}. This model's maximum context length "
+        f"(max_model_len) is {limit} tokens and your request has {n} input tokens "
+        f"({params.max_tokens} > {limit} - {n}).",
+        param=field,
+    )
+
+
 async def _serve(
     state: ServerState,
     request: Request,
@@ -193,6 +233,7 @@ async def _serve(
             engine.check_request(ids, params)
         except ValueError as e:
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+        _check_context(engine, ids, params, chat)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ctx = R.Context(
         rid, state.model_name, int(time.time()), chat, body, prompts, params.n, engine.tokenizer
@@ -290,8 +331,18 @@ def _record(state: ServerState, d: Delta, clock: dict[int, float]) -> None:
         clock[key] = now
     if d.finished:
         clock.pop(key, None)
-        ttft = (st.first_token_time - st.request.arrival_time) if st.first_token_time else None
-        state.metrics.observe_request(ttft, now - st.request.arrival_time)
+        req = st.request
+        state.metrics.observe_request(
+            RequestTimes(
+                arrival=req.arrival_time,
+                scheduled=req.scheduled_time,
+                first_token=st.first_token_time,
+                finished=now,
+                num_prompt=len(req.prompt_token_ids),
+                num_output=len(st.token_ids),
+                reason="error" if st.error else st.finish_reason,
+            )
+        )
 
 
 # -- middleware and errors ---------------------------------------------------------

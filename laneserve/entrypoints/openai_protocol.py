@@ -23,6 +23,7 @@ from pydantic import (
     field_validator,
 )
 
+from laneserve.entrypoints.field_policy import unsupported_field
 from laneserve.sampling_params import SamplingParams, is_valid_utf8
 
 
@@ -40,6 +41,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
+    # NOTE: extra fields are kept so that `unsupported_field` can name them (a 400)
     model_config = ConfigDict(extra="allow")
 
     model: Text | None = None
@@ -61,11 +63,16 @@ class _Common(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI: token ids as strings
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        """`defaults`: values for the fields the request leaves unset (--generation-config)."""
+        defaults = defaults or {}
         kw = {
             "n": self.n,
-            "max_tokens": max_tokens,
+            "max_tokens": max_tokens if max_tokens is not None else defaults.get("max_tokens"),
             "logprobs": logprobs,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
@@ -74,6 +81,7 @@ class _Common(BaseModel):
             "seed": self.seed,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": self._token_bias(),
         }
         optional = {
             "temperature": self.temperature,
@@ -84,8 +92,23 @@ class _Common(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        kw.update({k: v for k, v in defaults.items() if k in optional and optional[k] is None})
         kw.update({k: v for k, v in optional.items() if v is not None})
         return SamplingParams(**kw)
+
+    def _token_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
+            out[int(key)] = value
+        return out
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """(field, message) for a field this request may not carry (see field_policy)."""
+        return unsupported_field(dict(self.model_extra or {}), self.n)
 
     @property
     def include_usage(self) -> bool:
@@ -97,7 +120,6 @@ class CompletionRequest(_Common):
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
     echo: StrictBool = False
-    suffix: Text | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -111,10 +133,11 @@ class CompletionRequest(_Common):
         """`echo` with `max_tokens=0` (not streamed): the prompt and its logprobs only."""
         return self.echo and self.max_tokens == 0 and not self.stream
 
-    def completion_params(self) -> SamplingParams:
+    def completion_params(self, defaults: dict | None = None) -> SamplingParams:
         """`echo` + `logprobs` asks for the prompt's logprobs too; a prompt-only request
         runs one step (its token is dropped)."""
-        params = self.sampling_params(1 if self.prompt_only else self.max_tokens, self.logprobs)
+        max_tokens = 1 if self.prompt_only else self.max_tokens
+        params = self.sampling_params(max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None and not self.stream:
             params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
         return params
@@ -153,6 +176,9 @@ class ChatCompletionRequest(_Common):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: Text | None = None
+    chat_template_kwargs: dict | None = None
 
     def chat_messages(self) -> list[dict]:
         out = []

@@ -225,17 +225,19 @@ def error_body(message: str, kind: str, status: int, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def model_list(name: str, created: int) -> dict:
+def model_list(names: list[str], created: int) -> dict:
+    """Every served name of the one model (`root`: the first, as vLLM)."""
     return {
         "object": "list",
         "data": [
             {
-                "id": name,
+                "id": n,
                 "object": "model",
                 "created": created,
                 "owned_by": "laneserve",
-                "root": name,
+                "root": names[0],
             }
+            for n in names
         ],
     }
 

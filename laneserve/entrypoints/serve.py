@@ -30,10 +30,16 @@ _DRAIN_MARGIN_S = 5.0  # after the grace period: time for the error events to go
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument(
+        "model_tag", nargs="?", default=None, help="the model, as --model (vLLM's positional form)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument(
-        "--served-model-name", default=None, help="model id in the API (default: from --model)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model ids in the API, the first in responses (default: from --model)",
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument(
@@ -65,11 +71,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=10.0,
         help="seconds open requests may finish in on shutdown",
     )
+    p.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn's own log level (access lines at info)",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat_template (rendered in a sandbox; costs CPU)",
+    )
+    p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vLLM compatibility: laneserve never logs request contents",
+    )
     EngineArgs.add_cli_args(p, default_worker_mode="process")
     p.set_defaults(func=run)
 
 
-def served_name(model: str | None, override: str | None) -> str:
+def served_name(model: str | None, override: list[str] | str | None) -> str:
+    if isinstance(override, list):
+        override = override[0] if override else None
     if override:
         return override
     if not model:
@@ -86,8 +110,17 @@ def run(ns: argparse.Namespace) -> int:
     from laneserve.entrypoints.api_server import ServerState, build_app
     from laneserve.frontend.async_llm import AsyncLLM
 
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            print(f"error: two models given: {ns.model_tag!r} and --model {ns.model!r}")
+            return 2
+        ns.model = ns.model_tag
     args = EngineArgs.from_cli(ns)
-    config = args.create_config()  # invalid flags fail here, before anything starts
+    try:
+        config = args.create_config()  # invalid flags fail here, before anything starts
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
     if ns.max_n < 1:
         print(f"error: --max-n must be >= 1, got {ns.max_n}")
         return 2
@@ -100,6 +133,8 @@ def run(ns: argparse.Namespace) -> int:
         max_n=ns.max_n,
         protect_metrics=ns.protect_metrics,
         allowed_origins=list(ns.allowed_origins),
+        aliases=list(ns.served_model_name or [])[1:],
+        trust_request_chat_template=ns.trust_request_chat_template,
     )
     llm.on_step = lambda engine, deltas: state.metrics.refresh(engine)
     app = build_app(state)
@@ -108,7 +143,7 @@ def run(ns: argparse.Namespace) -> int:
             app,
             host=ns.host,
             port=ns.port,
-            log_level="warning",
+            log_level=ns.uvicorn_log_level,
             timeout_graceful_shutdown=ns.graceful_shutdown_s + _DRAIN_MARGIN_S,
             lifespan="on",
         ),
@@ -169,6 +204,7 @@ async def _announce(
         return
     eng = llm.engine
     assert eng is not None  # ready without a load error: the engine exists
+    state.metrics.describe(eng)
     log.info(
         "ready: serving %s at http://%s:%d/v1 (max_model_len %d, %s worker, %s)",
         state.model_name,

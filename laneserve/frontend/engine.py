@@ -16,6 +16,7 @@ import msgspec
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import EngineCore, WorkerClient
 from laneserve.core.request import Request
+from laneserve.frontend.generation_config import generation_defaults
 from laneserve.frontend.output_processor import Delta, OutputProcessor, RequestState
 from laneserve.frontend.tokenizer import Tokenizer
 from laneserve.obs.profiling import Tracer
@@ -43,8 +44,12 @@ class LLMEngine:
         self.core = EngineCore(config, self.client, self.tracer)
         ready = self.client.ready
         self.model_dir = Path(ready.model_dir)
-        self.tokenizer = Tokenizer(config.model.tokenizer or ready.model_dir)
+        self.tokenizer = Tokenizer(
+            config.model.tokenizer or ready.model_dir, config.model.chat_template
+        )
         self.processor = OutputProcessor(self.tokenizer)
+        # defaults for unset sampling fields (--generation-config)
+        self.sampling_defaults = generation_defaults(config.model.generation_config, self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, ready.eos_token_ids, self.tokenizer)
         self.groups: dict[str, list[RequestState]] = {}
 
@@ -94,6 +99,9 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids or () if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str) -> None:
         for state in self.groups.pop(request_id, []):

@@ -40,7 +40,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         items = _as_list(prompts)
-        params = _params_list(sampling_params, len(items))
+        params = _params_list(sampling_params, len(items), self.engine.sampling_defaults)
         tokenized = [self.engine.tokenize(p) for p in items]
         for ids, _ in tokenized:  # NOTE: validate everything before adding anything
             self.engine.core.check_prompt(ids)
@@ -53,14 +53,24 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: `chat_template` (the text) overrides the served template,
+        `chat_template_kwargs` reach it as variables."""
         # one conversation (a list of messages) or a list of them
         one = bool(messages) and isinstance(messages[0], dict)
         conversations = cast(list[list[dict]], [messages] if one else messages)
+        tok = self.engine.tokenizer
         prompts = [
             {
-                "prompt_token_ids": self.engine.tokenizer.apply_chat_template(
-                    c, add_generation_prompt
+                "prompt_token_ids": tok.apply_chat_template(
+                    c,
+                    add_generation_prompt and not continue_final_message,
+                    chat_template=chat_template,
+                    chat_template_kwargs=chat_template_kwargs,
+                    continue_final_message=continue_final_message,
                 )
             }
             for c in conversations
@@ -195,10 +205,10 @@ def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int, defaults: dict
 ) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
+    if params is None:  # NOTE: the model's generation defaults (--generation-config auto)
+        return [SamplingParams(**defaults) for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

@@ -10,7 +10,8 @@ log = logging.getLogger(__name__)
 
 
 class Tokenizer:
-    def __init__(self, directory: Path | str) -> None:
+    def __init__(self, directory: Path | str, chat_template: str | None = None) -> None:
+        """`chat_template`: a file, or the template text, used instead of the model's."""
         from transformers import AutoTokenizer
 
         try:
@@ -20,10 +21,11 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.all_special_ids = set(self.hf.all_special_ids)
+        self.chat_template = _load_template(chat_template)
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return bool(self.chat_template or getattr(self.hf, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -41,22 +43,64 @@ class Tokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        if not self.has_chat_template:
+        """Token ids of the conversation. `chat_template` (the text) overrides the
+        served one; `chat_template_kwargs` reach the template as variables;
+        `continue_final_message` leaves the last (assistant) message open."""
+        template = chat_template or self.chat_template
+        if not template and not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate()")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
             if m["role"] not in ("system", "user", "assistant", "tool"):
                 raise ValueError(f"message {i} has unknown role {m['role']!r}")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
         text = _text(
-            self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            _render(
+                self.hf,
+                messages,
+                template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
             )
         )
         # NOTE: the template already writes any BOS it wants.
         return self.encode(text, add_special_tokens=False)
+
+
+def _load_template(template: str | None) -> str | None:
+    """A path to a template file, or the template text itself (as vLLM's flag)."""
+    if not template:
+        return None
+    path = Path(template)
+    if "\n" not in template and len(template) < 4096 and path.is_file():
+        return path.read_text()
+    if not any(mark in template for mark in ("{{", "{%")):
+        raise ValueError(f"chat_template {template!r} is neither a file nor a Jinja template")
+    return template
+
+
+def _render(hf, messages: list[dict], template: str | None, **kw: object) -> object:
+    """The template's text; a template error is the caller's (a ValueError)."""
+    from jinja2 import TemplateError
+
+    reserved = {"tokenize", "chat_template", "conversation", "messages"} & set(kw)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+    try:
+        return hf.apply_chat_template(messages, tokenize=False, chat_template=template, **kw)
+    except TemplateError as e:
+        raise ValueError(f"the chat template failed: {e}") from None
 
 
 def _text(value: object) -> str:

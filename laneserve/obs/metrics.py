@@ -1,94 +1,194 @@
-"""Prometheus metrics for the server (one registry per server, no globals).
+"""Prometheus metrics for the server with vLLM's names and labels (one registry per
+server, no globals), so that dashboards built for vLLM work unchanged; the table
+is docs/metrics.md.
 
+Every series exists from the start with zero values: the `model_name` children
+(and `finished_reason` / `position` ones) are created here, not on first use.
 Gauges are refreshed from the engine after every step; counters move by the
-difference since the last refresh; latency histograms are observed once per
-finished request (TTFT, e2e) and per streamed token gap (inter-token latency).
+difference since the last refresh; request histograms are observed once per
+finished request, token-gap histograms per streamed token gap.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # 1 .. 5e6
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
         self.model_name = model_name
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"laneserve:{name}", doc, labels, registry=r)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"laneserve:{name}", doc, labels, registry=r)
-
-        def hist(name: str, doc: str) -> Histogram:
-            return Histogram(f"laneserve:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r)
-
-        self.running = gauge("num_requests_running", "requests in the running set")
-        self.waiting = gauge("num_requests_waiting", "requests waiting to be scheduled")
-        self.kv_usage = gauge("kv_cache_usage_perc", "fraction of KV blocks in use (0..1)")
-        self.prefix_queries = counter(
-            "prefix_cache_queries", "prompt tokens looked up in the prefix cache"
-        )
-        self.prefix_hits = counter("prefix_cache_hits", "prompt tokens found in the prefix cache")
-        self.preemptions = counter("num_preemptions", "requests preempted (recomputed later)")
-        self.prompt_tokens = counter("prompt_tokens", "prompt tokens processed")
-        self.generation_tokens = counter("generation_tokens", "tokens generated")
-        self.spec_drafts = counter(
-            "spec_decode_num_draft_tokens", "speculative draft tokens verified"
-        )
-        self.spec_accepted = counter(
-            "spec_decode_num_accepted_tokens", "speculative draft tokens accepted"
-        )
-        self.requests_ok = counter("request_success", "requests finished")
-        self.worker_restarts = counter(
-            "num_worker_restarts", "worker processes restarted after a failure"
-        )
-        self.ttft = hist("time_to_first_token_seconds", "time to the first token")
-        self.itl = hist("inter_token_latency_seconds", "time between streamed tokens")
-        self.e2e = hist("e2e_request_latency_seconds", "request latency")
         self._last: dict[str, int] = {}
+        self._described = False
+        self._gauges()
+        self._counters()
+        self._histograms()
+
+    # -- definitions -----------------------------------------------------------
+    def _gauges(self) -> None:
+        self.running = self._make(Gauge, "num_requests_running", "requests in the running set")
+        self.waiting = self._make(Gauge, "num_requests_waiting", "requests waiting to be scheduled")
+        self.kv_usage = self._make(Gauge, "kv_cache_usage_perc", "fraction of KV blocks in use")
+        self.cache_info = Gauge(
+            "vllm:cache_config_info",
+            "the KV cache's configuration (labels; value 1)",
+            ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=self.registry,
+        )
+
+    def _counters(self) -> None:
+        c = self._make
+        self.prefix_queries = c(Counter, "prefix_cache_queries", "prompt tokens looked up")
+        self.prefix_hits = c(Counter, "prefix_cache_hits", "prompt tokens found in the cache")
+        self.preemptions = c(Counter, "num_preemptions", "requests preempted")
+        self.prompt_tokens = c(Counter, "prompt_tokens", "prompt tokens prefilled")
+        self.generation_tokens = c(Counter, "generation_tokens", "tokens generated")
+        self.spec_num_drafts = c(Counter, "spec_decode_num_drafts", "steps that verified drafts")
+        self.spec_drafts = c(Counter, "spec_decode_num_draft_tokens", "draft tokens verified")
+        self.spec_accepted = c(Counter, "spec_decode_num_accepted_tokens", "draft tokens accepted")
+        self.spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "draft tokens accepted, by draft position",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
+        self.requests_ok = Counter(
+            "vllm:request_success",
+            "requests finished, by reason",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        for reason in FINISHED_REASONS:
+            self.requests_ok.labels(model_name=self.model_name, finished_reason=reason)
+        # NOTE: laneserve's own (vLLM has no worker restarts): its own prefix
+        self.worker_restarts = Counter(
+            "laneserve:num_worker_restarts",
+            "worker processes restarted after a failure",
+            ["model_name"],
+            registry=self.registry,
+        )
+        self.worker_restarts.labels(model_name=self.model_name)
+
+    def _histograms(self) -> None:
+        h, lat, req, tok = self._make, _LATENCY_BUCKETS, _REQUEST_BUCKETS, _TOKEN_BUCKETS
+        self.ttft = h(Histogram, "time_to_first_token_seconds", "time to the first token", lat)
+        self.itl = h(Histogram, "inter_token_latency_seconds", "gap between tokens", lat)
+        self.tpot = h(Histogram, "time_per_output_token_seconds", "gap between tokens", lat)
+        self.req_tpot = h(
+            Histogram, "request_time_per_output_token_seconds", "decode time per token", lat
+        )
+        self.e2e = h(Histogram, "e2e_request_latency_seconds", "arrival to finish", req)
+        self.queue = h(Histogram, "request_queue_time_seconds", "arrival to first scheduled", req)
+        self.prefill = h(Histogram, "request_prefill_time_seconds", "scheduled to first token", req)
+        self.decode = h(Histogram, "request_decode_time_seconds", "first token to finish", req)
+        self.inference = h(Histogram, "request_inference_time_seconds", "scheduled to finish", req)
+        self.req_prompt = h(Histogram, "request_prompt_tokens", "prompt tokens per request", tok)
+        self.req_gen = h(Histogram, "request_generation_tokens", "tokens per request", tok)
+        self.iteration = h(Histogram, "iteration_tokens_total", "tokens per engine step", tok)
+
+    def _make(self, kind, name: str, doc: str, buckets: tuple | None = None):
+        kw = {"buckets": buckets} if buckets is not None else {}
+        metric = kind(f"vllm:{name}", doc, ["model_name"], registry=self.registry, **kw)
+        metric.labels(model_name=self.model_name)  # exported from the start, at zero
+        return metric
 
     def label(self, metric):
         return metric.labels(model_name=self.model_name)
 
+    # -- updates -------------------------------------------------------------------
+    def describe(self, engine) -> None:
+        """vllm:cache_config_info, once the engine (and so its KV cache) exists."""
+        if self._described:
+            return
+        ready = engine.core.ready
+        self.cache_info.labels(
+            model_name=self.model_name,
+            block_size=str(ready.block_size),
+            num_gpu_blocks=str(sum(g.num_blocks for g in ready.cache_groups)),
+            enable_prefix_caching=str(engine.config.cache.enable_prefix_caching),
+        ).set(1)
+        self._described = True
+
     def refresh(self, engine) -> None:
+        self.describe(engine)
         s = engine.core.scheduler
         kv = engine.core.kv
         self.label(self.running).set(len(s.running))
         self.label(self.waiting).set(len(s.waiting))
         self.label(self.kv_usage).set(kv.usage)
         st = s.stats
+        steps = st.num_steps - self._last.get("steps", 0)
+        tokens = st.num_scheduled_tokens - self._last.get("scheduled", 0)
+        if steps > 0:  # NOTE: refreshes may see more than one step: their mean
+            for _ in range(steps):
+                self.label(self.iteration).observe(tokens / steps)
+        self._last["steps"], self._last["scheduled"] = st.num_steps, st.num_scheduled_tokens
         for metric, value in (
             (self.prefix_queries, kv.prefix_queries),
             (self.prefix_hits, kv.prefix_hits),
             (self.preemptions, st.num_preemptions),
             (self.prompt_tokens, st.num_prompt_tokens),
             (self.generation_tokens, st.num_generation_tokens),
+            (self.spec_num_drafts, st.drafts_per_position[0] if st.drafts_per_position else 0),
             (self.spec_drafts, st.num_drafts),
             (self.spec_accepted, st.num_accepted),
             (self.worker_restarts, engine.core.num_worker_restarts),
         ):
-            self._advance(metric, value)
+            self._advance(self.label(metric), metric._name, value)
+        for pos, value in enumerate(st.accepted_per_position):
+            child = self.spec_per_pos.labels(model_name=self.model_name, position=str(pos))
+            self._advance(child, f"pos{pos}", value)
 
-    def _advance(self, metric, value: int) -> None:
-        key = metric._name
+    def _advance(self, child, key: str, value: int) -> None:
         delta = value - self._last.get(key, 0)
         if delta > 0:
-            self.label(metric).inc(delta)
+            child.inc(delta)
         self._last[key] = max(value, self._last.get(key, 0)) if delta >= 0 else value
 
-    def observe_request(self, ttft: float | None, e2e: float) -> None:
-        if ttft is not None:
-            self.label(self.ttft).observe(ttft)
-        self.label(self.e2e).observe(e2e)
-        self.label(self.requests_ok).inc()
+    def observe_request(self, times: RequestTimes) -> None:
+        """One finished request."""
+        lab = self.label
+        if times.first_token is not None:
+            lab(self.ttft).observe(times.first_token - times.arrival)
+        lab(self.e2e).observe(times.finished - times.arrival)
+        lab(self.req_prompt).observe(times.num_prompt)
+        lab(self.req_gen).observe(times.num_output)
+        if times.scheduled is not None:
+            lab(self.queue).observe(times.scheduled - times.arrival)
+            lab(self.inference).observe(times.finished - times.scheduled)
+            if times.first_token is not None:
+                lab(self.prefill).observe(times.first_token - times.scheduled)
+        if times.first_token is not None:
+            lab(self.decode).observe(times.finished - times.first_token)
+            if times.num_output > 1:
+                gap = (times.finished - times.first_token) / (times.num_output - 1)
+                lab(self.req_tpot).observe(gap)
+        reason = times.reason if times.reason in FINISHED_REASONS else "error"
+        self.requests_ok.labels(model_name=self.model_name, finished_reason=reason).inc()
 
     def observe_itl(self, gap: float) -> None:
         self.label(self.itl).observe(gap)
+        self.label(self.tpot).observe(gap)  # NOTE: vLLM's older name of the same gaps
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """A finished request's clock readings (time.monotonic) and token counts."""
+
+    arrival: float
+    scheduled: float | None  # first scheduled
+    first_token: float | None
+    finished: float
+    num_prompt: int
+    num_output: int
+    reason: str | None  # stop / length / abort / error

@@ -1,7 +1,7 @@
 """Sampling: `prepare()` on the host builds a `SamplingBatch`, `sample()` runs on
 the device with no host synchronisation.
 
-Order of logit processing (vLLM's): min_tokens mask -> penalties -> temperature
+Order of logit processing (vLLM's): min_tokens mask -> logit_bias -> penalties -> temperature
 -> min_p / top_k / top_p -> draw. Greedy rows take the argmax of the processed
 logits (penalties still apply, temperature does not). Random draws use the
 exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p;
@@ -39,6 +39,15 @@ class PenaltyBatch:
 
 
 @dataclass
+class BiasBatch:
+    """logit_bias of a step as (row, token, value) triples."""
+
+    rows: torch.Tensor  # [B] int64 request rows
+    token_ids: torch.Tensor  # [B] int64
+    values: torch.Tensor  # [B] f32
+
+
+@dataclass
 class SamplingBatch:
     temperature: torch.Tensor  # [R] f32 (1.0 for greedy rows)
     greedy: torch.Tensor  # [R] bool
@@ -50,6 +59,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # [R]
     shared_generator: torch.Generator
     penalties: PenaltyBatch | None
+    logit_bias: BiasBatch | None
     prompt_len: torch.Tensor  # [R] int64
     min_tokens: torch.Tensor | None  # [R] int64
     banned_until_min: torch.Tensor | None  # [R, M] int64 token ids (-1 pad)
@@ -73,6 +83,7 @@ class SamplingBatch:
             generators=[self.generators[i] for i in rows],
             shared_generator=self.shared_generator,
             penalties=None,  # NOTE: requests with penalties are never speculative
+            logit_bias=None,  # nor those with a logit_bias
             prompt_len=sel(self.prompt_len),
             min_tokens=sel(self.min_tokens),
             banned_until_min=sel(self.banned_until_min),
@@ -130,12 +141,37 @@ def prepare(
         generators=[r.generator for r in rows],
         shared_generator=shared,
         penalties=penalties,
+        logit_bias=_bias_batch(ps, tensor),
         prompt_len=tensor([r.prompt_len for r in rows], torch.int64),
         min_tokens=min_tokens,
         banned_until_min=banned,
         max_logprobs=max(logprobs) if logprobs else -1,
         seeded=any(r.generator is not None for r in rows),
     )
+
+
+def _bias_batch(ps: list[SamplingParams], tensor) -> BiasBatch | None:
+    triples = [(i, t, b) for i, p in enumerate(ps) for t, b in (p.logit_bias or {}).items()]
+    if not triples:
+        return None
+    rows, ids, values = zip(*triples, strict=True)
+    return BiasBatch(
+        tensor(list(rows), torch.int64),
+        tensor(list(ids), torch.int64),
+        tensor(list(values), torch.float32),
+    )
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,  # [R, V], modified in place
+    batch: SamplingBatch,
+    logits_row: torch.Tensor | None = None,  # [R] the logits row of each request row
+) -> None:
+    bias = batch.logit_bias
+    if bias is None:
+        return
+    rows = bias.rows if logits_row is None else logits_row.index_select(0, bias.rows)
+    logits.index_put_((rows, bias.token_ids), bias.values.to(logits.dtype), accumulate=True)
 
 
 def apply_penalties(

@@ -4,7 +4,7 @@
 from what the step holds (decided on the host, no device value is read):
 
 ```
- no drafts                          plain sampling: min_tokens -> penalties -> sample
+ no drafts                          plain sampling: min_tokens -> logit_bias -> penalties -> sample
  drafts, all greedy, dense          kernels.verify_greedy (one fused argmax + compare)
  drafts otherwise                   rejection sampling (rejection_sampler.verify)
  + alternatives (token tree)        all-greedy dense rows without logprobs: the fused op
@@ -124,7 +124,9 @@ def sample_step(
 
 def _greedy_dense(batch: SamplingBatch, drafts: Drafts) -> bool:
     """Every sampling row verifies K drafts, greedily, with no logits processing."""
-    return drafts.dense and batch.all_greedy and batch.min_tokens is None
+    return (
+        drafts.dense and batch.all_greedy and batch.min_tokens is None and batch.logit_bias is None
+    )
 
 
 def _fused_tree(batch: SamplingBatch, drafts: Drafts, tree: TreeRows) -> bool:
@@ -155,12 +157,13 @@ def _sample_plain(
     positions: torch.Tensor,
     history: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if batch.min_tokens is not None or batch.penalties is not None:
-        num_known = _num_known(rows, positions)
-        sampler.apply_min_tokens(logits, batch, num_known - batch.prompt_len)
-        if batch.penalties is not None:
-            hist = history.index_select(0, rows.slot)
-            sampler.apply_penalties(logits, batch, hist, num_known)
+    if batch.min_tokens is not None:
+        num_output = _num_known(rows, positions) - batch.prompt_len
+        sampler.apply_min_tokens(logits, batch, num_output)
+    sampler.apply_logit_bias(logits, batch)
+    if batch.penalties is not None:
+        hist = history.index_select(0, rows.slot)
+        sampler.apply_penalties(logits, batch, hist, _num_known(rows, positions))
     tokens = sampler.sample(logits, batch)[:, None]
     return tokens, torch.zeros_like(tokens[:, 0])
 
@@ -175,11 +178,13 @@ def _verify(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling (any mix of greedy, sampled, processed rows)."""
     flat = batch.expand(rows.row_host, rows.row)
-    if batch.min_tokens is not None or batch.penalties is not None:
-        num_known = _num_known(rows, positions)
-        sampler.apply_min_tokens(logits, flat, num_known - flat.prompt_len)
-        if batch.penalties is not None:
-            _penalize_plain_rows(logits, batch, rows, history, num_known)
+    if batch.min_tokens is not None:
+        num_output = _num_known(rows, positions) - flat.prompt_len
+        sampler.apply_min_tokens(logits, flat, num_output)
+    # NOTE: requests with a bias never speculate: one logits row, their first
+    sampler.apply_logit_bias(logits, batch, rows.first)
+    if batch.penalties is not None:
+        _penalize_plain_rows(logits, batch, rows, history, _num_known(rows, positions))
     return rejection_sampler.verify(
         logits, flat, rows.row, rows.offset, drafts.tokens, drafts.num_valid
     )

@@ -167,9 +167,12 @@ class Worker:
     def _num_blocks(self) -> list[int]:
         cache = self.config.cache
         gib = cache.kv_cache_memory_gib
+        budget = int(gib * 2**30) if gib else None
+        if cache.gpu_memory_utilization is not None:
+            budget = kv_budget_from_utilization(self.device, cache.gpu_memory_utilization)
         return num_blocks_for(
             self.groups,
-            int(gib * 2**30) if gib else None,
+            budget,
             cache.num_kv_blocks,
             self.block_size,
             self.max_model_len,
@@ -326,3 +329,23 @@ def _max_model_len(config: EngineConfig, ckpt: Checkpoint) -> int:
     if want > limit:
         raise ValueError(f"max_model_len={want} exceeds the model's limit of {limit} tokens")
     return want
+
+
+def kv_budget_from_utilization(device: torch.device, fraction: float) -> int:
+    """Bytes for the KV cache when weights + KV may take `fraction` of the device's
+    memory (vLLM's --gpu-memory-utilization; called after the weights are loaded).
+    NOTE: activations are not profiled: they use what the fraction leaves free."""
+    if device.type != "cuda":
+        raise ValueError(
+            "gpu_memory_utilization applies to CUDA devices only; on CPU set the KV "
+            "cache budget with --kv-cache-memory (GiB)"
+        )
+    total = torch.cuda.get_device_properties(device).total_memory
+    used = torch.cuda.memory_allocated(device)
+    budget = int(total * fraction) - used
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {fraction}: the weights already use {used / 2**30:.2f} "
+            f"of the {total * fraction / 2**30:.2f} GiB it allows; raise it"
+        )
+    return budget

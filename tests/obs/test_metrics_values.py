@@ -43,9 +43,7 @@ class Probe:
         self.metrics.refresh(self.engine)
 
     def value(self, name: str, **labels: str) -> float:
-        v = self.metrics.registry.get_sample_value(
-            f"laneserve:{name}", {"model_name": NAME, **labels}
-        )
+        v = self.metrics.registry.get_sample_value(f"vllm:{name}", {"model_name": NAME, **labels})
         return 0.0 if v is None else v
 
     def gauges(self) -> tuple[float, float, float]:
@@ -94,11 +92,32 @@ def test_gauges_counters_and_latency_counts(tiny_models: dict[str, Path]) -> Non
     assert probe.value("generation_tokens_total") == sum(max_tokens)
     assert [len(t) for t in probe.tokens.values()] == max_tokens
     assert probe.value("num_preemptions_total") == 0
-    assert probe.value("request_success_total") == 4
-    assert probe.value("time_to_first_token_seconds_count") == 4
-    assert probe.value("e2e_request_latency_seconds_count") == 4
+    assert probe.value("request_success_total", finished_reason="length") == 4
+    assert probe.value("request_success_total", finished_reason="stop") == 0
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):  # fmt: skip
+        assert probe.value(f"{name}_count") == 4, name
+    # r2 and r3 waited for r0 and r1 to finish: their queue time covers those steps
+    assert probe.value("request_queue_time_seconds_sum") > 0
+    assert probe.value("request_prompt_tokens_sum") == sum(lengths)
+    assert probe.value("request_generation_tokens_sum") == sum(max_tokens)
+    assert probe.value("request_generation_tokens_bucket", le="2.0") == 0
+    assert probe.value("request_generation_tokens_bucket", le="5.0") == 4
     # one token per step per request: one gap per token after the first
-    assert probe.value("inter_token_latency_seconds_count") == sum(n - 1 for n in max_tokens)
+    gaps = sum(n - 1 for n in max_tokens)
+    assert probe.value("inter_token_latency_seconds_count") == gaps
+    assert probe.value("time_per_output_token_seconds_count") == gaps
+    assert probe.value("request_time_per_output_token_seconds_count") == 4
+    # one observation per engine step, of the tokens it computed
+    stats = probe.engine.stats()
+    assert probe.value("iteration_tokens_total_count") == stats["num_steps"] == 8
+    assert probe.value("iteration_tokens_total_sum") == stats["num_scheduled_tokens"]
+    assert probe.metrics.registry.get_sample_value(
+        "vllm:cache_config_info",
+        {"model_name": NAME, "block_size": "4", "num_gpu_blocks": "64",
+         "enable_prefix_caching": "False"},
+    ) == 1  # fmt: skip
     assert probe.value("e2e_request_latency_seconds_bucket", le="+Inf") == 4
     probe.engine.shutdown()
 
@@ -119,7 +138,7 @@ def test_preemption_counter_and_recomputed_prompt_tokens(tiny_models: dict[str, 
     assert probe.value("prompt_tokens_total") > sum(len(p) for p in ps)
     assert probe.value("prompt_tokens_total") == stats["num_prompt_tokens"]
     assert probe.value("generation_tokens_total") == 24
-    assert probe.value("request_success_total") == 2
+    assert probe.value("request_success_total", finished_reason="length") == 2
     assert probe.gauges() == (0, 0, 0)
     probe.engine.shutdown()
 
@@ -145,9 +164,12 @@ def test_speculative_counters_with_a_known_head(bigram: tuple[Path, Path, Path])
     assert len(probe.tokens["r0"]) == 31
     assert probe.value("spec_decode_num_draft_tokens_total") == 20
     assert probe.value("spec_decode_num_accepted_tokens_total") == 20
+    assert probe.value("spec_decode_num_drafts_total") == 10
+    for pos in ("0", "1"):
+        assert probe.value("spec_decode_num_accepted_tokens_per_pos_total", position=pos) == 10
     assert probe.value("generation_tokens_total") == 31
     assert probe.value("inter_token_latency_seconds_count") == 10
-    assert probe.value("request_success_total") == 1
+    assert probe.value("request_success_total", finished_reason="length") == 1
     probe.engine.shutdown()
 
 
@@ -164,5 +186,33 @@ def test_speculative_counters_when_nothing_is_accepted(bigram: tuple[Path, Path,
     assert 1 not in probe.tokens["r0"]
     assert probe.value("spec_decode_num_draft_tokens_total") == 10
     assert probe.value("spec_decode_num_accepted_tokens_total") == 0
+    assert probe.value("spec_decode_num_drafts_total") == 10
+    assert probe.value("spec_decode_num_accepted_tokens_per_pos_total", position="0") == 0
     assert probe.value("inter_token_latency_seconds_count") == 11
     probe.engine.shutdown()
+
+
+# every series a vLLM dashboard reads, with the model_name label, from the start
+VLLM_SERIES = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total", "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+    "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+    "vllm:e2e_request_latency_seconds_count", "vllm:time_per_output_token_seconds_count",
+    "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+    "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count",
+    "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+    "vllm:iteration_tokens_total_count", "laneserve:num_worker_restarts_total",
+]  # fmt: skip
+
+
+def test_every_series_is_exported_at_zero_before_any_request() -> None:
+    m = ServerMetrics(NAME)
+    for name in VLLM_SERIES:
+        assert m.registry.get_sample_value(name, {"model_name": NAME}) == 0, name
+    for reason in ("stop", "length", "abort", "error"):
+        labels = {"model_name": NAME, "finished_reason": reason}
+        assert m.registry.get_sample_value("vllm:request_success_total", labels) == 0
+    assert b"laneserve:" not in m.render().replace(b"laneserve:num_worker_restarts", b"")

@@ -50,7 +50,7 @@ def test_protected_metrics(server: Server) -> None:
     assert httpx.get(f"{server.url}/metrics").status_code == 401
     auth = {"authorization": f"Bearer {KEY}"}
     r = httpx.get(f"{server.url}/metrics", headers=auth)
-    assert r.status_code == 200 and "laneserve:num_requests_running" in r.text
+    assert r.status_code == 200 and "vllm:num_requests_running" in r.text
 
 
 def test_cors_allowed_origins_only(server: Server) -> None:

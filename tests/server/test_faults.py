@@ -19,7 +19,8 @@ import pytest
 from tests.server.conftest import Server, start_server, stop_server, wait_for
 
 PROMPT = "The old lighthouse stood at the end"
-LONG = {"model": "tiny", "prompt": PROMPT, "max_tokens": 250, "n": 8, "ignore_eos": True}
+# prompt + max_tokens must fit max_model_len 256 (else a 400)
+LONG = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "n": 8, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_worker_killed_mid_stream(server: Server) -> None:
         t.start()
     for ev in started:
         assert ev.wait(120), "the streams did not start"
-    wait_for(lambda: server.metrics()["laneserve:num_requests_running"] == 3 * 8, "all running")
+    wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 3 * 8, "all running")
     health = HealthLog(server)
     os.kill(old_pid, signal.SIGKILL)
     for t in threads:

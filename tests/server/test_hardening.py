@@ -93,6 +93,13 @@ USER = [{"role": "user", "content": "hi"}]
         (CMPL, {"prompt": []}, 400, "empty"),
         (CMPL, {"prompt": [[1, 2], []]}, 400, "empty"),
         (CMPL, {"prompt": ""}, 400, "empty"),
+        # a request's own chat template needs the server's consent
+        (
+            CHAT,
+            {"messages": USER, "chat_template": "{{ 1 }}"},
+            400,
+            "--trust-request-chat-template",
+        ),
         # a non-ASCII model name: 404, with a body that still encodes
         (CMPL, {"prompt": "hi", "model": "gpt-\u00e9"}, 404, "does not exist"),
     ],

@@ -166,7 +166,7 @@ def test_invalid_json_oversized_body_and_bad_chat(server: Server) -> None:
 # n samples x max_tokens, ignore_eos: far more tokens than the few steps that run
 # between the client leaving and the abort, so only an abort ends it early
 ABANDON_N, ABANDON_TOKENS = 50, 200  # prompt + 200 fit max_model_len 256
-GEN = "laneserve:generation_tokens_total"
+GEN = "vllm:generation_tokens_total"
 
 
 def _open_raw(server: Server, body: dict) -> socket.socket:
@@ -184,7 +184,7 @@ def _open_raw(server: Server, body: dict) -> socket.socket:
 
 def _idle(server: Server) -> bool:
     m = server.metrics()
-    return m["laneserve:num_requests_running"] == 0 and m["laneserve:num_requests_waiting"] == 0
+    return m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -211,7 +211,7 @@ def test_client_that_leaves_is_aborted(server: Server, stream: bool) -> None:
     assert server.greedy() == reference
     wait_for(lambda: server.metrics()[GEN] >= stopped_at + 12, "the counter to update")
     assert server.metrics()[GEN] == stopped_at + 12
-    assert server.metrics()["laneserve:kv_cache_usage_perc"] == 0
+    assert server.metrics()["vllm:kv_cache_usage_perc"] == 0
 
 
 def test_metrics_parse_and_move(server: Server) -> None:
@@ -221,15 +221,14 @@ def test_metrics_parse_and_move(server: Server) -> None:
     )
     after = server.metrics()
     assert (
-        after["laneserve:generation_tokens_total"]
-        >= before.get("laneserve:generation_tokens_total", 0) + 6
+        after["vllm:generation_tokens_total"] >= before.get("vllm:generation_tokens_total", 0) + 6
     )
-    assert after["laneserve:prompt_tokens_total"] > before.get("laneserve:prompt_tokens_total", 0)
-    assert after["laneserve:e2e_request_latency_seconds_count"] > before.get(
-        "laneserve:e2e_request_latency_seconds_count", 0
+    assert after["vllm:prompt_tokens_total"] > before.get("vllm:prompt_tokens_total", 0)
+    assert after["vllm:e2e_request_latency_seconds_count"] > before.get(
+        "vllm:e2e_request_latency_seconds_count", 0
     )
-    assert "laneserve:time_to_first_token_seconds_count" in after
-    assert "laneserve:prefix_cache_queries_total" in after
+    assert "vllm:time_to_first_token_seconds_count" in after
+    assert "vllm:prefix_cache_queries_total" in after
 
 
 def test_concurrent_requests_all_succeed(server: Server) -> None:

@@ -13,12 +13,13 @@ import pytest
 from tests.server.conftest import Server, start_server, stop_server, wait_for
 
 LIMIT = 64  # waiting places; also the default --max-num-seqs (running slots)
-# n=LIMIT sequences of 500 tokens each: thousands of batched steps, so the
-# running request holds its slots for the whole test unless it is aborted
+# n=LIMIT sequences of 450 tokens each (prompt + 450 fit max_model_len 512): hundreds
+# of batched steps, so the running request holds its slots for the whole test unless
+# it is aborted
 LONG = {
     "model": "tiny",
     "prompt": "The old lighthouse stood at the end",
-    "max_tokens": 500,
+    "max_tokens": 450,
     "n": LIMIT,
     "ignore_eos": True,
     "stream": True,
@@ -35,7 +36,7 @@ def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
 
 
 def _gauge(server: Server, name: str) -> float:
-    return server.metrics()[f"laneserve:num_requests_{name}"]
+    return server.metrics()[f"vllm:num_requests_{name}"]
 
 
 def test_queue_full_while_one_request_runs(server: Server) -> None:
