@@ -7,9 +7,10 @@ among them; weights are the unbiased scores (renormalised with
 `norm_topk_prob`), times `routed_scaling_factor`. `greedy` /
 `group_limited_greedy` (V2): softmax scores, groups scored by their maximum.
 
-Experts run as grouped work: the (token, expert) pairs are sorted by expert,
-each expert multiplies its contiguous slice, and the weighted results are
-summed back per token in expert order (the order transformers adds them in).
+Experts run as grouped work: the (token, expert) pairs are sorted by expert
+(on the host, where the slice sizes are needed), each expert multiplies its
+contiguous slice, and the weighted results are summed back per token in expert
+order (the order transformers adds them in).
 """
 
 from __future__ import annotations
