@@ -42,25 +42,38 @@ class MlaAttention:
         def bias(name: str) -> torch.Tensor | None:
             return get(f"{a}.{name}.bias") if p.attention_bias else None
 
-        # q LoRA (q_a -> norm -> q_b) or a plain q_proj
-        self.q_a: Linear | None = None
+        # q LoRA (q_a -> norm -> q_b) or a plain q_proj. With q LoRA, q_a and kv_a read
+        # the same input: one fused projection (each output is the same FMA chain).
         self.q_norm: RMSNorm | None = None
+        kv_a, kv_a_bias = get(f"{a}.kv_a_proj_with_mqa.weight"), bias("kv_a_proj_with_mqa")
+        self.q_a_rank = 0
         if p.q_lora_rank is None:
             self.q_proj = Linear(kernels, get(f"{a}.q_proj.weight"), None)
+            self.in_proj = Linear(kernels, kv_a, kv_a_bias)
         else:
-            self.q_a = Linear(kernels, get(f"{a}.q_a_proj.weight"), bias("q_a_proj"))
+            self.q_a_rank = p.q_lora_rank
             self.q_norm = RMSNorm(kernels, get(f"{a}.q_a_layernorm.weight"), eps)
             self.q_proj = Linear(kernels, get(f"{a}.q_b_proj.weight"), None)
-        self.kv_a = Linear(
-            kernels, get(f"{a}.kv_a_proj_with_mqa.weight"), bias("kv_a_proj_with_mqa")
-        )
+            q_a_bias = bias("q_a_proj")
+            fused_bias = None
+            if q_a_bias is not None and kv_a_bias is not None:
+                fused_bias = torch.cat([q_a_bias, kv_a_bias])
+            self.in_proj = Linear(
+                kernels, torch.cat([get(f"{a}.q_a_proj.weight"), kv_a]), fused_bias
+            )
         self.kv_norm = RMSNorm(kernels, get(f"{a}.kv_a_layernorm.weight"), eps)
         kv_b = get(f"{a}.kv_b_proj.weight")  # [H * (nope + v), r]
         self.kv_b = Linear(kernels, kv_b, None)
         w = kv_b.view(self.heads, p.qk_nope_head_dim + p.v_head_dim, p.kv_lora_rank)
         act = rotary.cos.dtype  # the absorbed decode multiplies activations by these
         self.w_uk = w[:, : p.qk_nope_head_dim].to(act).contiguous()  # [H, nope, r]
-        self.w_uv = w[:, p.qk_nope_head_dim :].to(act).contiguous()  # [H, v, r]
+        # [H, r, v]: the right operand of the per-head output matmul
+        self.w_uv = w[:, p.qk_nope_head_dim :].transpose(1, 2).to(act).contiguous()
+        # The absorbed decode is multi-query attention with one latent "head" of
+        # r + rope values, keys and values both read from the latent entries: the
+        # kernels' paged attention runs it when it takes that head size (CPU, <= 512).
+        self.kernels = kernels
+        self.paged_decode = kernels.name == "cpu" and p.latent_dim % 8 == 0 and p.latent_dim <= 512
         self.o_proj = Linear(kernels, get(f"{a}.o_proj.weight"), bias("o_proj"))
         self.scale = softmax_scale(arch.rope_scaling or {}, p.qk_head_dim)
 
@@ -72,16 +85,16 @@ class MlaAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         p, t = self.p, x.shape[0]
-        q_in = x
-        if self.q_a is not None:
-            assert self.q_norm is not None  # both come with q LoRA
-            q_in = self.q_norm(self.q_a(x))
+        proj = self.in_proj(x)  # [T, q_lora_rank + r + rope] (or [T, r + rope])
+        q_in = x if self.q_norm is None else self.q_norm(proj[:, : self.q_a_rank])
+        ckv = proj[:, self.q_a_rank :]
         q = self.q_proj(q_in).view(t, self.heads, p.qk_head_dim)
-        q_nope, q_pe = q[..., : p.qk_nope_head_dim], q[..., p.qk_nope_head_dim :]
-        q_pe = self.rotary(positions, q_pe)
-        ckv = self.kv_a(x)
-        c = self.kv_norm(ckv[:, : p.kv_lora_rank].contiguous())
-        k_pe = self.rotary(positions, ckv[:, None, p.kv_lora_rank :])[:, 0]
+        q_nope = q[..., : p.qk_nope_head_dim]
+        # one rotation for the query heads and the latent's rope key (the same per-element math)
+        pe = torch.cat([q[..., p.qk_nope_head_dim :], ckv[:, None, p.kv_lora_rank :]], dim=1)
+        pe = self.rotary(positions, pe)  # [T, H + 1, rope]
+        q_pe, k_pe = pe[:, : self.heads], pe[:, self.heads]
+        c = self.kv_norm(ckv[:, : p.kv_lora_rank])
         latent = torch.cat([c, k_pe], dim=-1)  # [T, r + rope]
         (store,) = cache
         flat = store.view(-1, p.latent_dim)
@@ -134,14 +147,42 @@ class MlaAttention:
         store: torch.Tensor,  # [blocks, bs, 1, r + rope]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [nd, H, v]
-        """Absorbed form over each row's blocks; no host synchronisation."""
-        p, nd = self.p, q_nope.shape[0]
+        """Absorbed form: q_lat = W_uk^T q_nope per head, attention over the latents,
+        out = W_uv o_lat per head. No host synchronisation."""
         if meta.decode_last_slot is not None:
             raise NotImplementedError("MLA does not take token-tree side rows")
         assert meta.decode_query_start_loc is not None and meta.decode_seq_lens is not None
         assert meta.decode_block_tables is not None  # a decode step has them all
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [nd, H, r]
+        if self.paged_decode:
+            q = torch.cat([q_lat, q_pe], dim=-1)  # [nd, H, r + rope]
+            o = self.kernels.paged_attention(
+                q,
+                store,
+                store,  # values: the same entries; the rope part of the output is dropped
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                meta.decode_query_start_loc,
+                self.scale,
+            )
+            o_lat = o[..., : self.p.kv_lora_rank]
+        else:
+            o_lat = self._decode_torch(q_lat, q_pe, store, meta)
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv).transpose(0, 1)
+
+    def _decode_torch(
+        self,
+        q_lat: torch.Tensor,  # [nd, H, r]
+        q_pe: torch.Tensor,  # [nd, H, rope]
+        store: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [nd, H, r]
+        """Attention over each row's blocks in torch ops (any device and head size)."""
+        p, nd = self.p, q_lat.shape[0]
+        assert meta.decode_query_start_loc is not None and meta.decode_seq_lens is not None
+        assert meta.decode_block_tables is not None
         starts = meta.decode_query_start_loc.to(torch.int64)  # [S + 1]
-        tok = torch.arange(nd, device=q_nope.device)
+        tok = torch.arange(nd, device=q_lat.device)
         seq = torch.searchsorted(starts[1:], tok, right=True)  # [nd] the token's sequence
         # keys visible to token i: seq_len - (tokens of its sequence after it)
         limit = meta.decode_seq_lens.to(torch.int64).index_select(0, seq) - (
@@ -149,12 +190,10 @@ class MlaAttention:
         )  # [nd] = its position
         tables = meta.decode_block_tables.to(torch.int64).index_select(0, seq)  # [nd, nb]
         keys = store.index_select(0, tables.flatten()).view(nd, -1, p.latent_dim)
-        keys = keys.to(q_nope.dtype)  # [nd, L, r + rope]
+        keys = keys.to(q_lat.dtype)  # [nd, L, r + rope]
         c, k_pe = keys[..., : p.kv_lora_rank], keys[..., p.kv_lora_rank :]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)  # [nd, H, r]
         scores = torch.bmm(q_lat, c.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2))
         visible = torch.arange(keys.shape[1], device=keys.device)[None, :] <= limit[:, None]
         scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)  # [nd, H, L]
-        o_lat = torch.bmm(probs, c)  # [nd, H, r]
-        return torch.einsum("thr,hvr->thv", o_lat, self.w_uv)
+        return torch.bmm(probs, c)  # [nd, H, r]

@@ -7,9 +7,10 @@ among them; weights are the unbiased scores (renormalised with
 `norm_topk_prob`), times `routed_scaling_factor`. `greedy` /
 `group_limited_greedy` (V2): softmax scores, groups scored by their maximum.
 
-Experts run as grouped work: the (token, expert) pairs are sorted by expert,
-each expert multiplies its contiguous slice, and the weighted results are
-summed back per token in expert order (the order transformers adds them in).
+Experts run as grouped work: the (token, expert) pairs are sorted by expert
+(on the host, where the slice sizes are needed), each expert multiplies its
+contiguous slice, and the weighted results are summed back per token in expert
+order (the order transformers adds them in).
 """
 
 from __future__ import annotations
@@ -97,18 +98,34 @@ class MoE:
         return out
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        k = ids.shape[1]
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        tokens = order // k
-        # NOTE: the per-expert split sizes are read on the host (one sync per MoE layer);
-        # pure-torch grouped work needs them to slice.
-        counts = torch.bincount(flat, minlength=self.p.n_routed_experts).tolist()
+        order, counts = _group_by_expert(ids)
+        dev = x.device
+        pairs = torch.tensor(order, dtype=torch.int64, device=dev)  # (token, slot) by expert
+        tokens = pairs // ids.shape[1]
         xs = x.index_select(0, tokens)
-        outs = []
-        for e, chunk in enumerate(torch.split(xs, counts)):
-            if chunk.shape[0] == 0:
-                continue
-            outs.append(self.w2[e](self.kernels.silu_and_mul(self.w13[e](chunk))))
-        y = torch.cat(outs) * weights.flatten().index_select(0, order)[:, None].to(x.dtype)
+        outs, row = [], 0
+        for e, n in counts:
+            outs.append(self.w2[e](self.kernels.silu_and_mul(self.w13[e](xs[row : row + n]))))
+            row += n
+        y = outs[0] if len(outs) == 1 else torch.cat(outs)
+        y = y * weights.flatten().index_select(0, pairs)[:, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, y)
+
+
+def _group_by_expert(ids: torch.Tensor) -> tuple[list[int], list[tuple[int, int]]]:
+    """The (token, slot) pairs of `ids` [T, k] as flat indices sorted by expert (stable),
+    and the (expert, count) runs in that order.
+
+    NOTE: read on the host (one read per MoE layer): the per-expert slices need their
+    sizes there, and sorting a few hundred ints in Python costs less than the torch ops.
+    """
+    flat = ids.flatten().tolist()
+    order = sorted(range(len(flat)), key=flat.__getitem__)
+    counts: list[tuple[int, int]] = []
+    for i in order:
+        e = flat[i]
+        if counts and counts[-1][0] == e:
+            counts[-1] = (e, counts[-1][1] + 1)
+        else:
+            counts.append((e, 1))
+    return order, counts
