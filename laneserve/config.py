@@ -221,11 +221,9 @@ def token_tree_shape(tree: str) -> tuple[int, int]:
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # "process": the model lives in a spawned worker process; "thread": in this
-    # process (same lanes, no IPC). NOTE: "process" is the default everywhere: with the
-    # lanes in the engine's process, the engine's Python work (scheduling,
-    # detokenizing) competes with the device lane for the GIL, and async ran slower
-    # than sync there (docs/async.md).
-    mode: str = "process"  # one of WORKER_MODES
+    # process (same lanes, no IPC). The offline LLM defaults to "thread", `serve` to
+    # "process" (docs/async.md compares them).
+    mode: str = "thread"  # one of WORKER_MODES
     restart_on_failure: bool = True
     profile_dir: str | None = None
     num_threads: int | None = None  # torch intra-op threads in the worker
