@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.model.arch import ArchConfig, DeepseekParams
 from laneserve.model.attention import AttentionMetadata
-from laneserve.model.layers import GatedMLP, Kernels, Linear, RMSNorm, run_decoder
+from laneserve.model.layers import DecoderStack, GatedMLP, Kernels, Linear, RMSNorm
 from laneserve.model.mla import MlaAttention
 from laneserve.model.moe import MoE
 from laneserve.model.rope import MlaRotary
@@ -65,7 +64,7 @@ class DeepseekLayer:
         return self.mlp(attn)
 
 
-class DeepseekModel:
+class DeepseekModel(DecoderStack):
     """forward(ids, positions, meta, caches) -> (normed hidden, pre-norm hidden)."""
 
     supports_async_prepare = True  # inputs are resolved on the device, as for Llama
@@ -99,21 +98,6 @@ class DeepseekModel:
         self.norm = RMSNorm(kernels, get("model.norm.weight"), arch.rms_norm_eps)
         head = self.embed_tokens if arch.tie_word_embeddings else get("lm_head.weight")
         self.lm_head = Linear(kernels, head, None)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        meta: AttentionMetadata,
-        caches: list[LayerCache],
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, H]
-        return run_decoder(self.embed, self.layers, self.norm, input_ids, positions, meta, caches)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] fp32
-        return self.lm_head(hidden).float()
 
 
 def cache_groups(

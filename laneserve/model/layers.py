@@ -8,10 +8,11 @@ the C++ CPU kernels or on plain torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from laneserve.kernels import Kernels, PackedWeight
 
@@ -89,24 +90,39 @@ class GatedMLP:
         return self.down(self.kernels.silu_and_mul(self.gate_up(x)))
 
 
-def run_decoder(
-    embed: Callable[[torch.Tensor], torch.Tensor],
+class DecoderStack:
+    """What every decoder family here shares after its own layers are built: the
+    embedding, the pre-norm residual stack (each layer's input norm fused with the
+    residual add of the layer before) and the LM head. Subclasses set the attributes.
+
+    forward(ids, positions, meta, caches) -> (normed hidden, pre-norm hidden)."""
+
+    embed_tokens: torch.Tensor  # [V, H]
+    act_dtype: torch.dtype
     layers: Sequence[
         Any
-    ],  # each: .input_norm (RMSNorm), called (pos, hidden, residual, cache, meta)
-    norm: RMSNorm,
-    input_ids: torch.Tensor,  # [T] int64
-    positions: torch.Tensor,  # [T] int64
-    meta: Any,  # AttentionMetadata
-    caches: Sequence[Any],  # one per layer
-) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, H]: final-normed hidden, residual
-    """The pre-norm residual stack every decoder family here shares: each layer's input
-    norm is fused with the residual add of the layer before."""
-    residual = embed(input_ids)
-    hidden = layers[0].input_norm(residual)
-    for i, layer in enumerate(layers):
-        if i:
-            layer.input_norm.add_(hidden, residual)
-        hidden = layer(positions, hidden, residual, caches[i], meta)
-    norm.add_(hidden, residual)
-    return hidden, residual
+    ]  # each: .input_norm (RMSNorm), called (pos, hidden, residual, cache, meta)
+    norm: RMSNorm
+    lm_head: Linear
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: Any,  # AttentionMetadata
+        caches: Sequence[Any],  # one per layer
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, H]
+        residual = self.embed(input_ids)
+        hidden = self.layers[0].input_norm(residual)
+        for i, layer in enumerate(self.layers):
+            if i:
+                layer.input_norm.add_(hidden, residual)
+            hidden = layer(positions, hidden, residual, caches[i], meta)
+        self.norm.add_(hidden, residual)
+        return hidden, residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] fp32
+        return self.lm_head(hidden).float()

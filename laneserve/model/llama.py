@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.model.arch import ArchConfig
 from laneserve.model.attention import AttentionMetadata, Kernels, paged_attention
-from laneserve.model.layers import GatedMLP, Linear, RMSNorm, Rotary, run_decoder
+from laneserve.model.layers import DecoderStack, GatedMLP, Linear, RMSNorm, Rotary
 
 WeightGetter = Callable[[str], torch.Tensor]
 
@@ -102,7 +101,7 @@ class DecoderLayer:
         return self.o_proj(out.view(t, self.q_size))
 
 
-class LlamaModel:
+class LlamaModel(DecoderStack):
     """forward(ids, positions, meta, caches) -> (normed hidden, pre-norm hidden)."""
 
     # Step inputs are complete host snapshots resolved on the device: step N+1
@@ -130,23 +129,6 @@ class LlamaModel:
         self.norm = RMSNorm(kernels, get("model.norm.weight"), arch.rms_norm_eps)
         head = self.embed_tokens if arch.tie_word_embeddings else get("lm_head.weight")
         self.lm_head = Linear(kernels, head, None)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, H]
-        return run_decoder(
-            self.embed, self.layers, self.norm, input_ids, positions, meta, kv_caches
-        )
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] fp32
-        return self.lm_head(hidden).float()
 
 
 def cache_groups(
