@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from laneserve import protocol
 from laneserve.config import EngineConfig
@@ -35,6 +35,18 @@ class WorkerClient(Protocol):
     def get_result(self) -> StepResult: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class RestartableClient(WorkerClient, Protocol):
+    """A worker that can die on its own (a process) and be started again."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    def death_message(self) -> str: ...
+
+    def restart(self) -> None: ...
 
 
 class EngineDeadError(RuntimeError):
@@ -165,10 +177,12 @@ class EngineCore:
 
     def check_worker(self) -> list[EngineCoreOutput]:
         """Fail every unfinished request if the worker process is gone (idle or not)."""
-        alive = getattr(self.client, "alive", True)
-        if alive or self._restart_pending or not self.healthy:
+        client = self.client
+        if not isinstance(client, RestartableClient) or client.alive:
             return []
-        return self._worker_died(f"worker failed: {self.client.death_message()}")
+        if self._restart_pending or not self.healthy:
+            return []
+        return self._worker_died(f"worker failed: {client.death_message()}")
 
     @property
     def restart_pending(self) -> bool:
@@ -182,7 +196,7 @@ class EngineCore:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.fail(req.handle, message)
             outs.append(EngineCoreOutput(req, [], finished=True))
-        if self.config.worker.restart_on_failure and hasattr(self.client, "restart"):
+        if self.config.worker.restart_on_failure and isinstance(self.client, RestartableClient):
             self._restart_pending = True  # NOTE: after the failures reach the callers
         else:
             self.healthy = False
@@ -192,6 +206,7 @@ class EngineCore:
         """A new worker; if it cannot start, the failures of the requests that waited."""
         self._restart_pending = False
         try:
+            assert isinstance(self.client, RestartableClient), "only a worker process restarts"
             self.client.restart()
         except Exception as e:
             log.error("worker restart failed: %s", e)

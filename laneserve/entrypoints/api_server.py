@@ -122,7 +122,7 @@ def build_app(state: ServerState) -> FastAPI:
             )
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="messages") from None
-        prompts = [(ids, None)]
+        prompts: list[tuple[list[int], str | None]] = [(ids, None)]
         params = _params(
             lambda: body.sampling_params(
                 body.max_new_tokens(), body.num_logprobs(), engine.sampling_defaults
@@ -145,7 +145,7 @@ def _unavailable(state: ServerState) -> str | None:
         return "shutting down"
     if llm.restarting:
         return "the worker is restarting"
-    if not llm.engine.core.healthy:
+    if not llm.healthy:
         return "the worker died and was not restarted"
     return None
 

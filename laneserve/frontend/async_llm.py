@@ -96,7 +96,9 @@ class AsyncLLM:
 
     @property
     def healthy(self) -> bool:
-        return self.ready and self.running and not self.restarting and self.engine.core.healthy
+        eng = self.engine
+        healthy = eng is not None and eng.core.healthy
+        return self.ready and self.running and not self.restarting and healthy
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self._commands.put(_STOP)
@@ -110,7 +112,7 @@ class AsyncLLM:
     # -- requests --------------------------------------------------------------
     async def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[Delta]:
+    ) -> RequestStream:
         """Admit one request (n samples share the id) and return its deltas.
 
         Raises what the engine raised when adding it (ValueError, QueueFullError,
@@ -152,6 +154,12 @@ class AsyncLLM:
         self._commands.put(_Abort(request_id))
 
     # -- the engine thread -------------------------------------------------------
+    @property
+    def _eng(self) -> LLMEngine:
+        """The engine, on the engine thread after it was built."""
+        assert self.engine is not None, "the engine is not built yet"
+        return self.engine
+
     def _run(self) -> None:
         try:
             self.engine = LLMEngine(self.config)
@@ -172,16 +180,16 @@ class AsyncLLM:
             self._stopped = True
             self._fail_all(EngineStoppedError("the engine stopped"))
             self._refuse_pending()
-            self.engine.shutdown()
+            self._eng.shutdown()
 
     def _watch_worker(self) -> None:
         """A dead worker process wakes the loop (it may be idle, blocked on commands)."""
-        client = self.engine.client
+        client = self._eng.client
         if hasattr(client, "on_death"):
             client.on_death = lambda: self._commands.put(_WORKER_DIED)
 
     def _loop_once(self) -> bool:
-        eng = self.engine
+        eng = self._eng
         block = not eng.has_unfinished
         applied = False
         while True:
@@ -204,17 +212,17 @@ class AsyncLLM:
 
     def _step(self) -> None:
         try:
-            deltas = self.engine.step()
+            deltas = self._eng.step()
         except Exception as e:  # NOTE: the core handles step errors; this is the last net
             log.exception("unexpected error after an engine step; failing its requests")
             for request_id in list(self._sinks):
-                self.engine.abort(request_id)
+                self._eng.abort(request_id)
             self._fail_all(RuntimeError(f"internal error: {type(e).__name__}: {e}"))
             return
         self._deliver(deltas)
 
     def _deliver(self, deltas: list[Delta]) -> None:
-        eng = self.engine
+        eng = self._eng
         for d in deltas:
             sink = self._sinks.get(d.state.group_id)
             if sink is not None:
@@ -229,13 +237,13 @@ class AsyncLLM:
         """Start a new worker now, in this thread; health says 503 meanwhile."""
         self.restarting = True
         try:
-            failed = self.engine.restart_worker()
+            failed = self._eng.restart_worker()
         finally:
             self.restarting = False
         self._deliver(failed)
 
     def _apply(self, cmd: object) -> None:
-        eng = self.engine
+        eng = self._eng
         if cmd is _WORKER_DIED:
             self._deliver(eng.check_worker())
         elif isinstance(cmd, _Abort):
