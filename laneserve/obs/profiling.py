@@ -5,7 +5,9 @@ function call. With a directory, spans are kept in memory and written by
 `flush()` to `<dir>/trace-<role>-<pid>.json`. Span names follow the lanes:
 schedule, encode, ipc, command, prepare, device, reclaim, release, detokenize.
 Timestamps come from the monotonic clock, so traces of the engine and worker
-processes line up.
+processes line up. Each role numbers its lanes from its own base (engine 100+,
+worker 200+), so an engine and an in-process worker that share a pid never
+share a thread id: `laneserve profile merge` joins the files into one timeline.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+# Thread ids of each role's lanes start here; roles not listed use OTHER_TID_BASE.
+ROLE_TID_BASE = {"engine": 100, "worker": 200}
+OTHER_TID_BASE = 900
+
 
 class Tracer:
     def __init__(self, directory: str | Path | None, role: str = "engine") -> None:
@@ -27,6 +33,7 @@ class Tracer:
         self._events: list[dict] = []
         self._lock = threading.Lock()
         self._tids: dict[str, int] = {}
+        self._tid_base = ROLE_TID_BASE.get(role, OTHER_TID_BASE)
 
     @contextlib.contextmanager
     def _record(self, name: str, lane: str, args: dict) -> Iterator[None]:
@@ -49,7 +56,7 @@ class Tracer:
         if not self.enabled:
             return
         with self._lock:
-            tid = self._tids.setdefault(lane, len(self._tids) + 1)
+            tid = self._tids.setdefault(lane, self._tid_base + len(self._tids))
             self._events.append(
                 {
                     "name": name,
@@ -74,7 +81,7 @@ class Tracer:
                     "ph": "M",
                     "pid": os.getpid(),
                     "tid": tid,
-                    "args": {"name": lane},
+                    "args": {"name": f"{self.role}/{lane}"},
                 }
                 for lane, tid in self._tids.items()
             ]

@@ -37,12 +37,17 @@ class Summary:
         return self.__dict__.copy()
 
 
-def load_events(paths: list[str | Path]) -> list[dict]:
+def trace_files(paths: list[str | Path]) -> list[Path]:
+    """The trace files named, or found in the --profile-dir directories named."""
     files: list[Path] = []
     for p in map(Path, paths):
         files += sorted(p.glob("trace-*.json")) if p.is_dir() else [p]
+    return files
+
+
+def load_events(paths: list[str | Path]) -> list[dict]:
     events = []
-    for f in files:
+    for f in trace_files(paths):
         events += [e for e in json.loads(f.read_text())["traceEvents"] if e.get("ph") == "X"]
     return events
 

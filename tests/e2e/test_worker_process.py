@@ -122,6 +122,33 @@ def test_profile_dir_traces_and_analyzer(
         timeout=120,
     )
     assert proc.returncode == 0 and "summary:" in proc.stdout and "overlapped" in proc.stdout
+    _check_merge(tmp_path, mode)
+
+
+def _check_merge(trace_dir: Path, mode: str) -> None:
+    """The merged file is one timeline: every span sits on a named thread of
+    one role, in thread mode both roles share the pid, and analyze still reads it."""
+    out = trace_dir / "merged.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "laneserve.entrypoints.cli", "profile", "merge", str(trace_dir), "-o", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"
+    }
+    spans = [e for e in events if e["ph"] == "X"]
+    roles = {threads[(e["pid"], e["tid"])].split("/")[0] for e in spans}
+    assert roles == {"engine", "worker"}
+    worker_spans = {"command", "prepare", "device", "release", "reclaim"}
+    for e in spans:
+        role = threads[(e["pid"], e["tid"])].split("/")[0]
+        assert role == ("worker" if e["name"] in worker_spans else "engine"), e
+    pids = {e["pid"] for e in spans}
+    assert len(pids) == (1 if mode == "thread" else 2)
+    summary = summarize(step_spans(spans))
+    assert summary is not None and summary.num_pairs >= 10
 
 
 def test_analyzer_on_synthetic_trace(tmp_path: Path) -> None:
@@ -150,3 +177,14 @@ def test_analyzer_on_synthetic_trace(tmp_path: Path) -> None:
     assert (
         s.num_pairs == 2 and s.overlapped == 1 and s.mean_gap_us == 20 and s.median_device_us == 100
     )
+
+
+def test_merge_refuses_conflicting_thread_names(tmp_path: Path) -> None:
+    """Two files that name one (pid, tid) differently cannot be one timeline."""
+    from laneserve.obs.trace_merge import merge_traces
+
+    for i, name in enumerate(["engine/schedule", "worker/device"]):
+        meta = {"name": "thread_name", "ph": "M", "pid": 1, "tid": 7, "args": {"name": name}}
+        (tmp_path / f"trace-r{i}-1.json").write_text(json.dumps({"traceEvents": [meta]}))
+    with pytest.raises(ValueError, match="named both"):
+        merge_traces([tmp_path])
