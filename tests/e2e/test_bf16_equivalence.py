@@ -70,6 +70,7 @@ def workload() -> Work:
     ]
 
 
+@pytest.mark.slow
 def test_bf16_greedy_identical_with_speculation_and_async(bigram: tuple[Path, Path]) -> None:
     model, half = bigram
     work = workload()

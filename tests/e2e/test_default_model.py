@@ -45,6 +45,7 @@ def llm() -> LLM:
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_default_model_matches_transformers_gguf(llm: LLM) -> None:
     tok = llm.get_tokenizer()
     chat_ids = llm.engine.tokenizer.apply_chat_template(CHAT)

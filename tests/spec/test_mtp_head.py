@@ -64,6 +64,7 @@ def test_train_module_matches_inference_head(tiny_models: dict[str, Path], tmp_p
         assert torch.equal(head.draft(out)[:, 0], torch.arange(0, 320, 3)[ref.argmax(-1)])
 
 
+@pytest.mark.slow
 def test_train_mtp_cli_resumes_and_produces_a_working_head(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -108,7 +108,7 @@ def workload(model: Path, seed: int) -> list:
     ]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_greedy_identical_across_the_matrix(bigram: dict, family: str) -> None:
     model, _, half, _ = bigram[family]
     work = workload(model, seed=1)
@@ -195,7 +195,7 @@ def test_ngram_full_acceptance_on_repetition(bigram: dict) -> None:
     assert stats["spec_num_accepted"] > 0.5 * stats["spec_num_drafts"] > 0
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_mtp_ngram_first_exact_and_engaged(bigram: dict, k: int) -> None:
     """With "ngram_first": prompt-lookup drafts where the history repeats, the head's
     elsewhere. With a head that is never right, every accepted draft is a lookup draft;
@@ -220,6 +220,7 @@ def test_mtp_ngram_first_exact_and_engaged(bigram: dict, k: int) -> None:
     assert alone == base and stats["spec_num_drafts"] > 0 == stats["spec_num_accepted"]
 
 
+@pytest.mark.slow
 def test_mtp_ngram_first_with_a_token_tree(bigram: dict) -> None:
     """A tree's alternatives stay the head's best tokens other than a lookup draft: exact
     (async on and off, and seeded sampling reproducible), and the lookup adds accepted
@@ -294,6 +295,7 @@ def test_bad_speculative_configs(bigram: dict, tmp_path: Path) -> None:
         LLM(str(model), speculative_config={"method": "mtp", "ngram_first": "yes"})
 
 
+@pytest.mark.slow
 def test_int8_mtp_head_exact_and_engaged(bigram: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """ "quantization": "int8" packs the head's linears as int8 (counted): the drafts may
     change, the output may not; chain and tree, async on and off."""
@@ -318,6 +320,7 @@ def test_int8_mtp_head_exact_and_engaged(bigram: dict, monkeypatch: pytest.Monke
             assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] > 0, stats
 
 
+@pytest.mark.slow
 def test_penalty_requests_beside_speculation_keep_their_penalties(bigram: dict) -> None:
     """Requests with penalties never speculate, but they share steps with ones that do:
     their penalties must still apply there."""
@@ -340,6 +343,7 @@ def test_penalty_requests_beside_speculation_keep_their_penalties(bigram: dict) 
         assert stats["spec_num_drafts"] > 0
 
 
+@pytest.mark.slow
 def test_disable_by_batch_size_pauses_drafts_in_large_batches(bigram: dict) -> None:
     model, _, half, _ = bigram["llama"]
     ps = prompts(4, 11)
@@ -355,7 +359,7 @@ def test_disable_by_batch_size_pauses_drafts_in_large_batches(bigram: dict) -> N
     assert 0 < stats["spec_num_drafts"] < full_stats["spec_num_drafts"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_token_tree_alternatives_exact_and_engaged(bigram: dict, family: str) -> None:
     """Alternatives to the first draft (side rows): same greedy output, more accepted."""
     model, _, _, noisy = bigram[family]
@@ -375,6 +379,7 @@ def test_token_tree_alternatives_exact_and_engaged(bigram: dict, family: str) ->
             assert first > chain["spec_acceptance_per_position"][0] + 0.05, (shape, stats)
 
 
+@pytest.mark.slow
 def test_token_tree_all_greedy_fast_path_exact_and_engaged(
     bigram: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
