@@ -74,7 +74,6 @@ LDFLAGS = ("-fopenmp",)
 OPS = (
     "pack_linear_weight",
     "linear",
-    "linear_prefill",
     "rms_norm",
     "fused_add_rms_norm",
     "rotary_embedding",
@@ -88,6 +87,8 @@ OPS = (
     "top_tokens",
     "write_drafts",
 )
+# Ops that one of OPS uses behind the protocol (CpuKernels.linear: prompt rows on AMX).
+INTERNAL_OPS = ("linear_prefill",)
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,7 @@ def _build_and_load(name: str, build_dir: str) -> KernelLib | None:
         logger.info("built CPU kernels in %.1fs", elapsed)
         _write_build_info(path)
     ops = torch.ops.laneserve
-    missing = [op for op in OPS if not hasattr(ops, op)]
+    missing = [op for op in (*OPS, *INTERNAL_OPS) if not hasattr(ops, op)]
     if missing:
         logger.warning("laneserve CPU kernels loaded without ops %s; using torch", missing)
         return None
