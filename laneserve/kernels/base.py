@@ -18,7 +18,9 @@ NOTE (batch invariance): with CpuKernels, for ``M <= BATCH_INVARIANT_MAX_M`` row
 however many there are; the same holds per query for ``paged_attention`` (independent of
 ``q_len`` and of the other sequences). Speculative decoding relies on this to give the
 same greedy tokens with and without speculation. TorchKernels gives no such guarantee
-(it inherits whatever torch / BLAS does).
+(it inherits whatever torch / BLAS does). Prompt rows passed to ``linear`` with
+``first_prefill`` may take other numerics (bf16 activations on AMX CPUs), row invariant
+as well; decode-like rows never do (docs/kernels.md, the table of guarantees per row).
 """
 
 from __future__ import annotations
