@@ -99,6 +99,44 @@ def print_linear_table(rows: list[Row]) -> None:
     print("(us per call, GB/s = weight bytes / time; F.linear bf16 uses bf16 activations)")
 
 
+def bench_prefill_linear(
+    ck: CpuKernels, name: str, m: int, bursts: int
+) -> dict[str, tuple[float, float]]:
+    """bf16 weights at M prompt rows: the decode kernel (fp32 activations), the AMX
+    prefill path (rows rounded to bf16) and torch's bf16 F.linear (oneDNN), the last
+    including the activation's conversion to bf16 and the output's back to fp32."""
+    k, n = LINEARS[name]
+    copies = max(2, math.ceil(COLD_BYTES / (n * k * 2)))
+    raw = [torch.randn(n, k).bfloat16() for _ in range(copies)]
+    packed = [ck.pack_linear_weight(w) for w in raw]
+    x = torch.randn(m, k)
+    nxt_p, nxt_w = cycler(packed), cycler(raw)
+    per_burst = max(1, min(10, 2048 // m))
+    flop = 2 * m * k * n
+    impls: dict[str, Callable[[], object]] = {
+        "decode kernel": lambda: ck.linear(x, nxt_p()),
+        "F.linear bf16": lambda: F.linear(x.bfloat16(), nxt_w()).float(),
+    }
+    if ck.amx:
+        impls["amx prefill"] = lambda: ck.linear(x, nxt_p(), first_prefill=0)
+    out = {}
+    for impl, fn in impls.items():
+        t = best_time(fn, bursts, per_burst)
+        out[impl] = (t * 1e6, flop / t / 1e9)
+    return out
+
+
+def print_prefill_table(rows: list[Row]) -> None:
+    impls = list(rows[0].results)
+    head = f"{'linear':<9}{'M':>5} " + "".join(f"{i:>24}" for i in impls)
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        cells = "".join(f"{us:>11.0f}us {gf:>6.0f}GFLOP/s" for us, gf in r.results.values())
+        print(f"{r.name:<9}{r.m:>5} {cells}")
+    print("(bf16 weights; us per call, GFLOP/s = 2*M*K*N / time)")
+
+
 # ----------------------------------------------------------------------------- attention
 
 
@@ -245,7 +283,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, no decode")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    parser.add_argument("--only", choices=["linear", "attention", "small", "decode"])
+    parser.add_argument("--only", choices=["linear", "prefill", "attention", "small", "decode"])
     parser.add_argument(
         "--batches",
         default="1,8,32",
@@ -271,6 +309,10 @@ def main() -> None:
     if args.only in (None, "linear"):
         rows = [Row(n, m, bench_linear(ck, n, m, bursts)) for n in LINEARS for m in batches]
         print_linear_table(rows)
+    if args.only == "prefill":  # opt-in: prompt-row sizes, e.g. --batches 1,8,32,128,512
+        names = [n for n in LINEARS if n != "lm_head"]  # prompt rows never reach lm_head
+        rows = [Row(n, m, bench_prefill_linear(ck, n, m, bursts)) for n in names for m in batches]
+        print_prefill_table(rows)
     if args.only in (None, "attention"):
         bench_attention(ck, tk, bursts)
     if args.only in (None, "small"):

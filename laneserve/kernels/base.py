@@ -18,7 +18,9 @@ NOTE (batch invariance): with CpuKernels, for ``M <= BATCH_INVARIANT_MAX_M`` row
 however many there are; the same holds per query for ``paged_attention`` (independent of
 ``q_len`` and of the other sequences). Speculative decoding relies on this to give the
 same greedy tokens with and without speculation. TorchKernels gives no such guarantee
-(it inherits whatever torch / BLAS does).
+(it inherits whatever torch / BLAS does). Prompt rows passed to ``linear`` with
+``first_prefill`` may take other numerics (bf16 activations on AMX CPUs), row invariant
+as well; decode-like rows never do (docs/kernels.md, the table of guarantees per row).
 """
 
 from __future__ import annotations
@@ -49,11 +51,22 @@ class Kernels(Protocol):
         ...
 
     def linear(
-        self, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        w: PackedWeight,
+        bias: torch.Tensor | None = None,
+        first_prefill: int | None = None,
     ) -> torch.Tensor:
         """``x @ W^T + bias``: x [M, K] float, bias [N] or None; returns [M, N] in x's
         dtype. CpuKernels accumulates each output in fp32 as one FMA chain over K (the same
-        bits on the AVX2 and AVX-512 paths). Batch invariant up to BATCH_INVARIANT_MAX_M."""
+        bits on the AVX2 and AVX-512 paths). Batch invariant up to BATCH_INVARIANT_MAX_M.
+
+        ``first_prefill``: rows ``[first_prefill, M)`` are prompt (prefill) rows, which an
+        implementation may compute on a compute-bound path with other numerics: CpuKernels
+        on AMX CPUs with bf16 weights rounds them to bf16 and uses AMX tiles
+        (``linear_prefill``). That path is row invariant too (a row's result does not depend
+        on the other rows or on M), and rows before ``first_prefill`` keep the decode
+        kernel's bits exactly. None (the default): every row is decode-like."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

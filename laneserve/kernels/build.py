@@ -43,6 +43,7 @@ SOURCES = tuple(
     KERNEL_DIR / name
     for name in (
         "linear.cpp",
+        "linear_amx.cpp",
         "elementwise.cpp",
         "attention.cpp",
         "kv_cache.cpp",
@@ -59,6 +60,8 @@ ISA_ENV = "LANESERVE_KERNEL_ISA"
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw"})
 ISAS = ("avx2", "avx512")
+AMX_ENV = "LANESERVE_KERNEL_AMX"  # "0": prefill rows use the decode kernel even with AMX
+AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 
 # NOTE: -ffp-contract=off: the kernels place every FMA explicitly; letting the compiler
 # contract a*b+c elsewhere would make scalar tails differ from vector bodies and from
@@ -84,6 +87,8 @@ OPS = (
     "top_tokens",
     "write_drafts",
 )
+# Ops that one of OPS uses behind the protocol (CpuKernels.linear: prompt rows on AMX).
+INTERNAL_OPS = ("linear_prefill",)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class KernelLib:
     build_seconds: float
     ops: Any  # torch.ops.laneserve namespace
     isa: str = "avx2"  # linear's instruction set: "avx2" | "avx512" (see linear_isa)
+    amx: bool = False  # prefill rows of bf16 linears use AMX (see prefill_amx)
 
     def op(self, name: str) -> Any:
         return getattr(self.ops, name)
@@ -139,6 +145,15 @@ def linear_isa() -> str:
     if want == "avx512" and not has_512:
         raise ValueError(f"{ISA_ENV}=avx512 but this CPU lacks {', '.join(AVX512_CPU_FLAGS)}")
     return want or ("avx512" if has_512 else "avx2")
+
+
+def prefill_amx(isa: str) -> bool:
+    """True where prefill rows of bf16 linears take the AMX path (``linear_prefill``): the
+    CPU has amx_tile + amx_bf16, ``isa`` is "avx512" (its bf16 layout is what the AMX
+    kernel reads) and ``LANESERVE_KERNEL_AMX`` is not "0"."""
+    if os.environ.get(AMX_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return isa == "avx512" and (cpu_flags() or set()) >= AMX_CPU_FLAGS
 
 
 def read_sources(directory: Path = KERNEL_DIR) -> dict[str, str]:
@@ -250,7 +265,7 @@ def _build_and_load(name: str, build_dir: str) -> KernelLib | None:
         logger.info("built CPU kernels in %.1fs", elapsed)
         _write_build_info(path)
     ops = torch.ops.laneserve
-    missing = [op for op in OPS if not hasattr(ops, op)]
+    missing = [op for op in (*OPS, *INTERNAL_OPS) if not hasattr(ops, op)]
     if missing:
         logger.warning("laneserve CPU kernels loaded without ops %s; using torch", missing)
         return None
@@ -319,7 +334,7 @@ def load_kernels() -> KernelLib | None:
     isa = linear_isa()
     name = extension_name(read_sources())
     lib = _build_and_load(name, str(cache_root() / name))
-    return dataclasses.replace(lib, isa=isa) if lib is not None else None
+    return dataclasses.replace(lib, isa=isa, amx=prefill_amx(isa)) if lib is not None else None
 
 
 @functools.cache

@@ -40,6 +40,7 @@ class CpuKernels:
         # Bound op handles: saves an attribute lookup chain per call on the decode path.
         self._pack = ops.pack_linear_weight
         self._linear = ops.linear
+        self._linear_prefill = ops.linear_prefill
         self._rms_norm = ops.rms_norm
         self._fused_add_rms_norm = ops.fused_add_rms_norm
         self._rotary = ops.rotary_embedding
@@ -55,6 +56,7 @@ class CpuKernels:
         self._fallback = TorchKernels()
         self.isa = lib.isa  # linear's instruction set; both give the same bits
         self._isa = _ISA_CODE[lib.isa]
+        self.amx = lib.amx  # prefill rows of bf16 linears use AMX tiles (linear_amx.cpp)
 
     def pack_linear_weight(self, w: torch.Tensor, quantize: str | None = None) -> PackedWeight:
         weights.check_weight(w, quantize)
@@ -71,7 +73,15 @@ class CpuKernels:
         x: torch.Tensor,  # [M, K] float32
         w: PackedWeight,
         bias: torch.Tensor | None = None,  # [N] float32
+        first_prefill: int | None = None,  # rows [first_prefill, M) are prompt rows
     ) -> torch.Tensor:  # [M, N] float32
+        if (
+            first_prefill is not None
+            and self.amx
+            and w.dtype == torch.bfloat16
+            and first_prefill < x.shape[0]
+        ):
+            return self._linear_prefill(x, w.data, w.out_features, bias, first_prefill)
         return self._linear(x, w.data, w.out_features, bias, self._isa, w.scale)
 
     def rms_norm(

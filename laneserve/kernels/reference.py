@@ -45,6 +45,7 @@ class TorchKernels:
         x: torch.Tensor,  # [M, K] activations (float32 on CPU)
         w: PackedWeight,
         bias: torch.Tensor | None = None,  # [N]
+        first_prefill: int | None = None,  # unused: every row takes the same path here
     ) -> torch.Tensor:  # [M, N], x.dtype
         weight = w.data if w.data.dtype == x.dtype else w.data.to(x.dtype)
         if bias is not None and bias.dtype != x.dtype:

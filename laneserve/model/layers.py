@@ -32,8 +32,11 @@ class Linear:
         self.bias = bias
         self.out_features = int(weight.shape[0])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor, first_prefill: int | None = None) -> torch.Tensor:
+        """Rows [first_prefill, M) are prompt rows (Kernels.linear); None: none are."""
+        if first_prefill is None:
+            return self.kernels.linear(x, self.weight, self.bias)
+        return self.kernels.linear(x, self.weight, self.bias, first_prefill)
 
 
 class RMSNorm:
@@ -86,8 +89,8 @@ class GatedMLP:
         self.gate_up = Linear(kernels, gate_up, None, quantize)
         self.down = Linear(kernels, down, None, quantize)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.kernels.silu_and_mul(self.gate_up(x)))
+    def __call__(self, x: torch.Tensor, first_prefill: int | None = None) -> torch.Tensor:
+        return self.down(self.kernels.silu_and_mul(self.gate_up(x, first_prefill)), first_prefill)
 
 
 class DecoderStack:

@@ -71,7 +71,7 @@ class DecoderLayer:
     ) -> torch.Tensor:
         attn = self.attention(positions, hidden, kv_cache, meta)
         self.post_norm.add_(attn, residual)
-        return self.mlp(attn)
+        return self.mlp(attn, meta.num_decode_tokens)
 
     def attention(
         self,
@@ -81,7 +81,8 @@ class DecoderLayer:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         arch, t = self.arch, x.shape[0]
-        qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
+        # rows from meta.num_decode_tokens on are prompt chunks (Kernels.linear)
+        qkv = self.qkv(x, meta.num_decode_tokens)  # [T, q_size + 2 * kv_size]
         qs, kvs = self.q_size, self.kv_size
         # NOTE: strided column views of qkv: the kernels take any row stride.
         q, k, v = qkv[:, :qs], qkv[:, qs : qs + kvs], qkv[:, qs + kvs :]
@@ -98,7 +99,7 @@ class DecoderLayer:
             meta,
             self.scale,
         )
-        return self.o_proj(out.view(t, self.q_size))
+        return self.o_proj(out.view(t, self.q_size), meta.num_decode_tokens)
 
 
 class LlamaModel(DecoderStack):

@@ -1,0 +1,92 @@
+"""linear with prompt rows (``first_prefill``): the AMX prefill path of CpuKernels.
+
+Decode-like rows keep the decode kernel's bits; prompt rows are rounded to bf16 and
+multiplied on AMX tiles, and each row's result is independent of the other rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from laneserve.kernels import CpuKernels, TorchKernels
+from tests.kernels.helpers import randn
+
+SHAPES = [(960, 576), (37, 45), (100, 33), (48, 64), (576, 1536)]  # odd K, N % 32 != 0
+
+
+@pytest.fixture(scope="module")
+def amx(ck: CpuKernels) -> CpuKernels:
+    if not ck.amx:
+        pytest.skip("no AMX (amx_tile + amx_bf16) on this CPU, or LANESERVE_KERNEL_AMX=0")
+    return ck
+
+
+def bf16_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The prompt rows' math in float64: x rounded to bf16 (RNE), times the bf16 weight."""
+    out = x.bfloat16().double() @ w.double().T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_prompt_rows_match_bf16_reference(amx: CpuKernels, n: int, k: int) -> None:
+    w = randn(n, k, seed=n + k).bfloat16()
+    b = randn(n, seed=7)
+    pw = amx.pack_linear_weight(w)
+    x = randn(70, k, seed=k)
+    for first in (0, 3, 69):
+        y = amx.linear(x, pw, b, first_prefill=first)
+        ref = bf16_ref(x[first:], w, b)
+        # fp32 accumulation of exact bf16 products over K terms
+        bound = 2e-5 * (x[first:].bfloat16().double().abs() @ w.double().abs().T) + 1e-6
+        assert y.shape == (70, n) and y.dtype == torch.float32
+        assert ((y[first:].double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_decode_rows_keep_the_decode_kernel_bits(amx: CpuKernels, n: int, k: int) -> None:
+    w = randn(n, k, seed=n).bfloat16()
+    b = randn(n, seed=1)
+    pw = amx.pack_linear_weight(w)
+    x = randn(40, k, seed=2)
+    for first in (1, 5, 39, 40):
+        y = amx.linear(x, pw, b, first_prefill=first)
+        assert torch.equal(y[:first], amx.linear(x[:first], pw, b))
+    assert torch.equal(amx.linear(x, pw, b, first_prefill=None), amx.linear(x, pw, b))
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_prompt_rows_are_row_invariant(amx: CpuKernels, n: int, k: int) -> None:
+    """A prompt row's bits do not depend on M, on its neighbours or on the thread split."""
+    w = randn(n, k, seed=3).bfloat16()
+    pw = amx.pack_linear_weight(w)
+    x = randn(300, k, seed=4)
+    full = amx.linear(x, pw, None, first_prefill=0)
+    for lo, hi in [(0, 1), (17, 18), (5, 37), (100, 300), (31, 64)]:
+        assert torch.equal(amx.linear(x[lo:hi], pw, None, first_prefill=0), full[lo:hi])
+    other = torch.cat([randn(9, k, seed=5), x[50:60]])  # other rows around them
+    assert torch.equal(amx.linear(other, pw, None, first_prefill=2)[9:], full[50:60])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(amx.linear(x, pw, None, first_prefill=0), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_other_weights_ignore_first_prefill(ck: CpuKernels) -> None:
+    """fp32 / fp16 / int8 weights (and CPUs without AMX): every row takes the decode kernel."""
+    x = randn(20, 64, seed=6)
+    w = randn(48, 64, seed=7)
+    for pw in (
+        ck.pack_linear_weight(w),
+        ck.pack_linear_weight(w.half()),
+        ck.pack_linear_weight(w, "int8"),
+    ):
+        assert torch.equal(ck.linear(x, pw, first_prefill=0), ck.linear(x, pw))
+
+
+def test_torch_kernels_accept_first_prefill(tk: TorchKernels) -> None:
+    x, w = randn(6, 32, seed=8), randn(16, 32, seed=9)
+    pw = tk.pack_linear_weight(w)
+    assert torch.equal(tk.linear(x, pw, first_prefill=2), tk.linear(x, pw))
