@@ -385,10 +385,14 @@ def add_mtp_layer(model_dir: Path, *, seed: int = 0, exact_of: int | None = None
     return model_dir
 
 
-def build_exact_deepseek_mtp(out: Path, seed: int = 0, **overrides: object) -> Path:
+def build_exact_deepseek_mtp(
+    out: Path, seed: int = 0, *, keep_attention: bool = False, **overrides: object
+) -> Path:
     """A 1-layer V3 whose attention output is zero (the next token depends only on the
     current one; embedding rows of RMS 1), with an MTP layer that copies its layer: the
-    draft equals the target's next prediction (100 % acceptance)."""
+    draft equals the target's next prediction (100 % acceptance). With `keep_attention`
+    the attention stays: the copy then drafts the target's token most of the time (its
+    attention sees the sequence shifted by one position), and its runners-up often."""
     from safetensors.torch import load_file, save_file
 
     overrides = {**overrides, "num_hidden_layers": 1, "first_k_dense_replace": 0}
@@ -396,7 +400,8 @@ def build_exact_deepseek_mtp(out: Path, seed: int = 0, **overrides: object) -> P
     w = load_file(str(out / "model.safetensors"))
     emb = w["model.embed_tokens.weight"]
     w["model.embed_tokens.weight"] = emb / emb.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
-    w["model.layers.0.self_attn.o_proj.weight"].zero_()
+    if not keep_attention:
+        w["model.layers.0.self_attn.o_proj.weight"].zero_()
     save_file(w, str(out / "model.safetensors"))
     return add_mtp_layer(out, exact_of=0)
 

@@ -149,8 +149,6 @@ class MlaAttention:
     ) -> torch.Tensor:  # [nd, H, v]
         """Absorbed form: q_lat = W_uk^T q_nope per head, attention over the latents,
         out = W_uv o_lat per head. No host synchronisation."""
-        if meta.decode_last_slot is not None:
-            raise NotImplementedError("MLA does not take token-tree side rows")
         assert meta.decode_query_start_loc is not None and meta.decode_seq_lens is not None
         assert meta.decode_block_tables is not None  # a decode step has them all
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [nd, H, r]
@@ -164,6 +162,7 @@ class MlaAttention:
                 meta.decode_seq_lens,
                 meta.decode_query_start_loc,
                 self.scale,
+                meta.decode_last_slot,  # side rows: their own entry from a scratch slot
             )
             o_lat = o[..., : self.p.kv_lora_rank]
         else:
@@ -190,6 +189,8 @@ class MlaAttention:
         )  # [nd] = its position
         tables = meta.decode_block_tables.to(torch.int64).index_select(0, seq)  # [nd, nb]
         keys = store.index_select(0, tables.flatten()).view(nd, -1, p.latent_dim)
+        if meta.decode_last_slot is not None:
+            _own_last_keys(keys, store, meta.decode_last_slot.index_select(0, seq), limit)
         keys = keys.to(q_lat.dtype)  # [nd, L, r + rope]
         c, k_pe = keys[..., : p.kv_lora_rank], keys[..., p.kv_lora_rank :]
         scores = torch.bmm(q_lat, c.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2))
@@ -197,3 +198,18 @@ class MlaAttention:
         scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)  # [nd, H, L]
         return torch.bmm(probs, c)  # [nd, H, r]
+
+
+def _own_last_keys(
+    keys: torch.Tensor,  # [nd, L, r + rope] each token's gathered entries (written in place)
+    store: torch.Tensor,  # [blocks, bs, 1, r + rope]
+    last_slot: torch.Tensor,  # [nd] int64 the token's sequence's last-key slot (-1: table)
+    limit: torch.Tensor,  # [nd] int64 the token's position
+) -> None:
+    """A token-tree side row's own entry lives in a scratch slot, not at its position in
+    the request's table (which holds the first draft's): put it there. A sequence's last
+    key is only visible to its last token, whose position is `limit`."""
+    own = store.view(-1, store.shape[-1]).index_select(0, last_slot.clamp(min=0))
+    rows = torch.arange(keys.shape[0], device=keys.device)
+    cur = keys[rows, limit]
+    keys[rows, limit] = torch.where((last_slot >= 0)[:, None], own, cur)

@@ -80,7 +80,6 @@ FAMILIES = (
         deepseek.cache_groups,
         deepseek.weight_shapes,
         _deepseek_mtp,
-        supports_side_rows=False,
     ),
 )
 

@@ -29,7 +29,7 @@ import torch
 from laneserve.model.attention import AttentionMetadata, Kernels, PrefillSpan
 from laneserve.worker.step_inputs import SideInputs
 
-KvStack = tuple[torch.Tensor, torch.Tensor]  # K, V of a cache group: [L, blocks, bs, Hk, D]
+KvStack = tuple[torch.Tensor, ...]  # K, V (or one MLA latent) of a group: [L, blocks, bs, Hk, D]
 
 
 @dataclass
@@ -117,9 +117,11 @@ def commit(
 ) -> None:
     """Make an accepted alternative the request's token at p + 1: its key in the real
     slot (every layer) and its hidden state in d1's row (one fused kernel call)."""
+    # NOTE: an MLA group has one latent tensor: it is passed as both K and V (the same
+    # copy twice, idempotent)
     kernels.commit_side_rows(
         stack[0],
-        stack[1],
+        stack[-1],
         side.slots,
         side.real_slot,
         hit,

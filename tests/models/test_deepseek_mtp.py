@@ -118,9 +118,3 @@ def test_mtp_with_ngram_first_equals_plain(with_mtp: Path) -> None:
         assert llm.get_stats()["spec_num_drafts"] > 0
     for p, g in zip(prompts, got, strict=True):
         assert g == hf_greedy(with_mtp, p, 24)
-
-
-def test_token_trees_are_refused(with_mtp: Path) -> None:
-    cfg = {"method": "mtp", "speculative_token_tree": "[(0,), (1,)]"}
-    with pytest.raises(Exception, match="token trees"):
-        LLM(str(with_mtp), dtype="float32", speculative_config=cfg)
