@@ -2,12 +2,14 @@
 client sends, the answer is never a 5xx (nor a 5xx error event inside a
 stream), and the server still gives the same greedy text afterwards.
 
-Bounded: a fixed number of examples, derandomized (the same bodies every run),
-and small token counts where a body is valid."""
+Bounded: a fixed number of examples per test (120, or LANESERVE_FUZZ_EXAMPLES
+for a long run), derandomized (the same bodies every run), and small token
+counts where a body is valid."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,7 +84,7 @@ CHAT = st.fixed_dictionaries(
     optional={**COMMON, "logprobs": _maybe(st.booleans()), "top_logprobs": _maybe(small)},
 )
 FUZZ = settings(
-    max_examples=120,
+    max_examples=int(os.environ.get("LANESERVE_FUZZ_EXAMPLES", "120")),
     deadline=None,
     derandomize=True,
     database=None,
