@@ -111,3 +111,13 @@ def test_ngram_speculation_matches_hf(
     assert stats["spec_num_drafts"] > 0
     assert stats["spec_num_accepted"] < stats["spec_num_drafts"]  # rollbacks happened
     check_against_hf(d, prompts, got)
+
+
+def test_release_layout_loads_the_same_model(deepseek_v4_model: Path, tmp_path: Path) -> None:
+    from tests.models.tiny_deepseek_v4 import to_release_layout
+
+    release = to_release_layout(deepseek_v4_model, tmp_path / "release")
+    prompts = prompts_of([37, 12], seed=4)
+    with LLM(str(release), dtype="float32") as llm:
+        got = run(llm, prompts, GREEDY)
+    check_against_hf(deepseek_v4_model, prompts, got)

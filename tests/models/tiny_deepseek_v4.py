@@ -139,3 +139,25 @@ def indexer_score_gaps(model: torch.nn.Module, ids: list[int]) -> list[float]:
                 top = scores[0, t, :valid].sort(descending=True).values
                 gaps.append(float(top[k - 1] - top[k]))
     return gaps
+
+
+def to_release_layout(src: Path, out: Path) -> Path:
+    """The same weights under the release names: no `model.` prefix, `embed.weight`,
+    `hc_head_fn` / `hc_head_base` / `hc_head_scale` (config and tokenizer copied)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    state = load_file(str(src / "model.safetensors"))
+    renamed = {}
+    for name, t in state.items():
+        name = name.removeprefix("model.")
+        name = name.replace("embed_tokens.weight", "embed.weight")
+        name = name.replace("hc_head.hc_", "hc_head_")
+        renamed[name] = t.contiguous()
+    save_file(renamed, str(out / "model.safetensors"))
+    return out
