@@ -106,3 +106,64 @@ def test_sliding_window_keeps_the_margin() -> None:
     wide.allocate_slots(req2, 1)
     # positions >= 16 - 13 = 3 kept: block 0 (0..3) still holds position 3
     assert wide.block_ids(req2)[0][0] >= 0
+
+
+def _forward(model, kv, ids: list[int], start: int):  # -> hidden [T, H]
+    import torch
+
+    from laneserve.model.deepseek_v4_attention import V4StepMetadata
+
+    n = len(ids)
+    tables = []
+    for g, blocks in zip(kv.groups, kv.num_blocks, strict=True):
+        cols = -(-64 // g.block_size)
+        row = torch.arange(cols + 1, dtype=torch.int64)
+        row[-1] = blocks  # the padding column: the group's scratch block
+        tables.append(row[None].expand(n, -1))
+    meta = V4StepMetadata(tuple(tables), start + n + 1)
+    positions = torch.arange(start, start + n)
+    hidden, _ = model.forward(torch.tensor(ids), positions, meta, kv.layers)
+    return hidden
+
+
+def test_rejected_draft_that_closed_windows_is_recomputed(deepseek_v4_model: Path) -> None:
+    """A verify step whose wrong drafts close a CSA window (m = 4) and an HCA window
+    (m' = 8) at position 15, then the true tokens at 14..16: every hidden state and every
+    compressed entry equals a run that never saw the wrong drafts."""
+    import torch
+
+    from laneserve.kernels import get_kernels
+    from laneserve.model.deepseek_v4 import DeepseekV4Model
+    from laneserve.model.loader import WeightStore, resolve_checkpoint
+    from laneserve.worker.kv_cache import KvCache
+
+    cpu = torch.device("cpu")
+    ckpt = resolve_checkpoint(str(deepseek_v4_model), "float32", cpu)
+    model = DeepseekV4Model(
+        ckpt.arch, get_kernels(cpu), WeightStore(ckpt, cpu, torch.float32), cpu, torch.float32, 80
+    )
+    groups = cache_groups(ckpt.arch, 4, 4, 0)
+
+    def fresh() -> KvCache:
+        kv = KvCache.allocate(groups, [32] * len(groups), 0, cpu, torch.float32)
+        for stack in kv.stacks:
+            for t in stack:
+                t.fill_(float("nan"))  # a read of anything never written shows up
+        return kv
+
+    tokens = [5 + 7 * i % 300 for i in range(17)]
+    clean, dirty = fresh(), fresh()
+    _forward(model, clean, tokens[:13], 0)
+    want = _forward(model, clean, tokens[13:17], 13)
+    _forward(model, dirty, tokens[:13], 0)
+    _forward(model, dirty, [tokens[13], 111, 222], 13)  # 14, 15 wrong; 15 closes windows
+    _forward(model, dirty, tokens[13:14], 13)  # only position 13 was accepted...
+    got = _forward(model, dirty, tokens[14:17], 14)  # ...then the true 14, 15, 16
+    torch.testing.assert_close(got, want[1:], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got).all()
+    for g, spec in enumerate(groups):
+        if spec.kind == "compressed":
+            closed = 16 // spec.tokens_per_entry  # entries of windows closed by 15
+            a = clean.stacks[g][0].flatten(1, 2)[:, :closed]  # blocks 0.. hold entries 0..
+            b = dirty.stacks[g][0].flatten(1, 2)[:, :closed]
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
