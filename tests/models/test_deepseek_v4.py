@@ -121,3 +121,23 @@ def test_release_layout_loads_the_same_model(deepseek_v4_model: Path, tmp_path: 
     with LLM(str(release), dtype="float32") as llm:
         got = run(llm, prompts, GREEDY)
     check_against_hf(deepseek_v4_model, prompts, got)
+
+
+def test_fp8_and_fp4_release_weights_dequantize_at_load(
+    deepseek_v4_model: Path, tmp_path: Path
+) -> None:
+    """FP8 matrices with ue8m0 `.scale` blocks and FP4-packed experts: laneserve's greedy
+    output equals transformers running the same (dequantized) values."""
+    from safetensors.torch import load_file
+
+    from tests.models.tiny_deepseek_v4 import quantized_release
+
+    quant, reference = quantized_release(deepseek_v4_model, tmp_path / "q", tmp_path / "ref")
+    stored = load_file(str(quant / "model.safetensors"))
+    assert stored["layers.1.attn.wq_b.weight"].dtype == torch.float8_e4m3fn
+    assert stored["layers.1.ffn.experts.3.w2.weight"].dtype == torch.int8  # FP4 pairs
+    assert stored["layers.1.ffn.experts.3.w2.scale"].dtype == torch.float8_e8m0fnu
+    prompts = prompts_of([37, 12], seed=5)
+    with LLM(str(quant), dtype="float32") as llm:
+        got = run(llm, prompts, GREEDY)
+    check_against_hf(reference, prompts, got)

@@ -9,6 +9,7 @@ position biases, hyper-connection bases and scales, router score bias, and `tid2
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -153,11 +154,51 @@ def to_release_layout(src: Path, out: Path) -> Path:
         if f.suffix != ".safetensors" and f.is_file():
             shutil.copy(f, out / f.name)
     state = load_file(str(src / "model.safetensors"))
-    renamed = {}
-    for name, t in state.items():
-        name = name.removeprefix("model.")
-        name = name.replace("embed_tokens.weight", "embed.weight")
-        name = name.replace("hc_head.hc_", "hc_head_")
-        renamed[name] = t.contiguous()
+    renamed = {_release_name(name): t.contiguous() for name, t in state.items()}
     save_file(renamed, str(out / "model.safetensors"))
     return out
+
+
+_FP8 = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts.w1", "shared_experts.w2")
+_FP8 += ("shared_experts.w3",)
+
+
+def quantized_release(src: Path, out: Path, reference: Path) -> tuple[Path, Path]:
+    """`out`: the release layout with FP8 (ue8m0 block scales) attention and shared-expert
+    matrices and FP4-packed routed experts; `reference`: a save_pretrained-layout copy
+    holding exactly the dequantized values (what transformers should be compared with)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from laneserve.model import fp8
+
+    to_release_layout(src, out)
+    state = load_file(str(out / "model.safetensors"))
+    quantized, exact = {}, {}
+    for name, t in state.items():
+        stem = name.removesuffix(".weight")
+        fp4 = ".ffn.experts." in name
+        if name.endswith(".weight") and (fp4 or stem.endswith(_FP8)):
+            q, s = fp8.quantize_ue8m0(t, fp4)
+            quantized[name], quantized[f"{stem}.scale"] = q, s
+            exact[name] = fp8.dequantize_scaled(q, s)
+        else:
+            quantized[name] = exact[name] = t
+    save_file(quantized, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    reference.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, reference / f.name)
+    original = load_file(str(src / "model.safetensors"))
+    release_of = {_release_name(n): n for n in original}
+    save_file({release_of[n]: t for n, t in exact.items()}, str(reference / "model.safetensors"))
+    return out, reference
+
+
+def _release_name(name: str) -> str:
+    name = name.removeprefix("model.").replace("embed_tokens.weight", "embed.weight")
+    return name.replace("hc_head.hc_", "hc_head_")
