@@ -110,7 +110,7 @@ class V4Attention:
         keys, mask = self._window(flat, swa_table, positions, cache.swa.shape[1])
         if self.compressor is not None:
             ck, cmask = self.compressor(x, xq, positions, cache, meta)
-            if ck is not None:
+            if ck is not None and cmask is not None:
                 keys, mask = torch.cat([keys, ck], dim=1), torch.cat([mask, cmask], dim=1)
         o = self._attend(q, keys, mask)  # [T, H, D]
         o = self.rope(o, positions, inverse=True)
