@@ -86,8 +86,10 @@ class StepResult(msgspec.Struct, tag=True, **_STRUCT):
 
 class CacheGroupInfo(msgspec.Struct, **_STRUCT):
     name: str
-    kind: str  # "full_attention"
+    kind: str  # "full_attention", "sliding_window" or "compressed"
     num_blocks: int
+    block_size: int = 0  # token positions per block (0: WorkerReady.block_size)
+    window: int = 0  # sliding_window: positions a query reads behind itself
 
 
 class WorkerReady(msgspec.Struct, tag=True, **_STRUCT):

@@ -76,6 +76,9 @@ class EngineCore:
             [g.num_blocks for g in ready.cache_groups],
             ready.block_size,
             self.config.cache.enable_prefix_caching,
+            [g.block_size or ready.block_size for g in ready.cache_groups],
+            [g.window for g in ready.cache_groups],
+            lookahead=_lookahead(self.config.speculative),
         )
         spec = self.config.speculative
         self.scheduler = Scheduler(
@@ -240,3 +243,10 @@ __all__ = [
     "WorkerClient",
     "WorkerDiedError",
 ]
+
+
+def _lookahead(spec: object | None) -> int:
+    """Tokens below a request's computed count that the next step may still read: the
+    step in flight's tokens and a rejection of all its drafts (two steps in flight)."""
+    depth = int(getattr(spec, "depth", 0) or 0)
+    return 2 * (1 + depth) + 1

@@ -2,20 +2,23 @@
 
 A model declares one or more *cache groups* (`CacheGroupSpec`): layers that
 share a block layout and a block table. Each group has its own block pool and
-a manager for its kind. Today the only kind is full attention (every position
-keeps its KV); a sliding-window or compressed-stream group adds a manager
-class with the same four methods (`find_hit`, `num_blocks_needed`, `allocate`,
-`free`) and nothing else changes. The scheduler only sees this class:
+a manager for its kind: full attention (every position keeps its KV), and the
+kinds of `cache_group_kinds.py` (a sliding window that frees blocks behind it, a
+compressed stream with one entry per m tokens). Each has the same methods
+(`find_hit`, `num_blocks_needed`, `allocate`, `free`). The scheduler only sees this class:
 `allocate_slots` returns None when a group has no room, which means "preempt".
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 from laneserve.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block
 from laneserve.core.request import Request
+
+log = logging.getLogger(__name__)
 
 BlockIds = tuple[list[int], ...]  # one list per cache group
 
@@ -35,13 +38,14 @@ class CacheGroupSpec:
     """
 
     name: str
-    kind: str  # "full_attention"
-    block_size: int  # token positions per block
+    kind: str  # "full_attention", "sliding_window" or "compressed"
+    block_size: int  # token positions per block (compressed: block entries x tokens_per_entry)
     num_layers: int
     tensors_per_entry: int
     entry_shape: tuple[int, ...]
     dtype_bytes: int
     tokens_per_entry: int = 1
+    window: int = 0  # sliding_window: positions a query reads behind itself (incl. itself)
 
     @property
     def values_per_entry(self) -> int:
@@ -101,6 +105,9 @@ class FullAttentionGroup:
             self.pool.cache_block(blocks[i], hashes[i])
         self.num_cached[handle] = max(start, min(num_full_blocks, len(blocks)))
 
+    def trim(self, handle: int, num_computed: int) -> None:
+        """Full attention keeps every block (other kinds free what no query reads)."""
+
     def free(self, handle: int) -> None:
         blocks = self.blocks.pop(handle, [])
         self.num_cached.pop(handle, None)
@@ -110,23 +117,41 @@ class FullAttentionGroup:
         return [b.block_id for b in self.blocks.get(handle, ())]
 
 
-_GROUP_KINDS = {"full_attention": FullAttentionGroup}
-
-
 class KVCacheManager:
-    """Block accounting for every cache group (the groups share one block size)."""
+    """Block accounting for every cache group.
+
+    `group_block_sizes` (token positions per block, per group; default: `block_size`)
+    and `windows` (sliding_window groups) describe the non-full kinds; `lookahead` is
+    how far (in tokens) the steps in flight and a speculative rollback may reach below
+    a request's computed count, which a sliding window keeps as a margin.
+    """
 
     def __init__(
-        self, kinds: list[str], num_blocks: list[int], block_size: int, enable_caching: bool
+        self,
+        kinds: list[str],
+        num_blocks: list[int],
+        block_size: int,
+        enable_caching: bool,
+        group_block_sizes: list[int] | None = None,
+        windows: list[int] | None = None,
+        lookahead: int = 0,
     ) -> None:
-        unknown = sorted(set(kinds) - set(_GROUP_KINDS))
-        if unknown:
-            raise ValueError(f"unknown cache group kinds {unknown}; known: {sorted(_GROUP_KINDS)}")
+        from laneserve.core.cache_group_kinds import make_group
+
+        if enable_caching and any(k != "full_attention" for k in kinds):
+            log.info(
+                "prefix caching is off: cache groups of kinds %s keep no per-token KV "
+                "for every position of a prefix",
+                sorted({k for k in kinds if k != "full_attention"}),
+            )
+            enable_caching = False
         self.block_size = block_size
         self.enable_caching = enable_caching
+        sizes = group_block_sizes or [block_size] * len(kinds)
+        wins = windows or [0] * len(kinds)
         self.groups = [
-            _GROUP_KINDS[kind](block_size, BlockPool(n, enable_caching))
-            for kind, n in zip(kinds, num_blocks, strict=True)
+            make_group(kind, size, BlockPool(n, enable_caching), win, lookahead)
+            for kind, n, size, win in zip(kinds, num_blocks, sizes, wins, strict=True)
         ]
         self._hashes: dict[int, list[BlockHash]] = {}
         self.prefix_queries = 0  # tokens looked up
@@ -190,6 +215,8 @@ class KVCacheManager:
         Returns the block ids appended to each group's table.
         """
         new_computed = new_computed or [[] for _ in self.groups]
+        for g in self.groups:
+            g.trim(req.handle, req.num_computed_tokens)
         num_hit_tokens = len(new_computed[0]) * self.block_size
         total = req.num_computed_tokens + num_hit_tokens + num_new_tokens
         plans = []

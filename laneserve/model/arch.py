@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from laneserve.model.deepseek_v4_config import DeepseekV4Params
+
 log = logging.getLogger(__name__)
 
 # architectures value -> the flags that distinguish it
@@ -24,6 +26,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "DeepseekV4ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # GGUF general.architecture -> HF architectures value
@@ -123,6 +126,7 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sliding_window: int | None = None
     deepseek: DeepseekParams | None = None
+    v4: DeepseekV4Params | None = None  # DeepSeek V4 (its window is not a context cap)
 
     @staticmethod
     def from_hf(cfg: dict) -> ArchConfig:
@@ -141,12 +145,13 @@ class ArchConfig:
         hidden = int(cfg["hidden_size"])
         rope = _rope_parameters(cfg)
         eos = cfg.get("eos_token_id")
+        v4 = arch == "DeepseekV4ForCausalLM"
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ArchConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -161,8 +166,9 @@ class ArchConfig:
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            sliding_window=_sliding_window(cfg),
+            sliding_window=None if v4 else _sliding_window(cfg),
             deepseek=DeepseekParams.from_hf(arch, cfg) if arch in DEEPSEEK_ARCHITECTURES else None,
+            v4=DeepseekV4Params.from_hf(cfg) if v4 else None,
         )
 
     def inv_freq(self) -> torch.Tensor:

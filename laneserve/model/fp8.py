@@ -65,3 +65,54 @@ def quantize(
             scales[i, j] = s
             q[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = (tile / s).to(torch.float8_e4m3fn)
     return q, scales
+
+
+# FP4 (e2m1) code -> value; a nibble's high bit is the sign
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_VALUES = torch.tensor(list(_E2M1) + [-v for v in _E2M1], dtype=torch.float32)
+FP4_GROUP = 32  # values per ue8m0 scale along a row
+
+
+def dequantize_scaled(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # fp32
+    """A weight stored with a `<name>.scale` companion (the DeepSeek V4 release format):
+
+    - `float8_e4m3fn` [R, C] with a ue8m0 (power of two) scale per 128 x 128 block;
+    - FP4 e2m1 packed two per byte in `int8` [R, C / 2] (the low nibble is the even
+      column) with a ue8m0 scale per 32 values of a row, [R, C / 32].
+    """
+    s = scale.float()
+    if q.dtype == torch.float8_e4m3fn:
+        return dequantize(q, s, (128, 128))
+    if q.dtype not in (torch.int8, torch.uint8):
+        raise ValueError(f"a .scale companion on a {q.dtype} tensor")
+    codes = q.view(torch.uint8)
+    rows, half = codes.shape
+    lo, hi = (codes & 0x0F).long(), (codes >> 4).long()
+    values = FP4_VALUES[torch.stack([lo, hi], dim=-1).view(rows, 2 * half)]
+    if tuple(s.shape) != (rows, -(-2 * half // FP4_GROUP)):
+        raise ValueError(f"FP4 scale shape {tuple(s.shape)} for {(rows, 2 * half)} values")
+    return values * s.repeat_interleave(FP4_GROUP, dim=1)[:, : 2 * half]
+
+
+def quantize_ue8m0(w: torch.Tensor, fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ue8m0 scales) in the V4 release format, the inverse of
+    `dequantize_scaled` up to rounding (used to build test checkpoints)."""
+    w = w.float()
+    rows, cols = w.shape
+    if not fp4:
+        br = bc = 128
+        tiles = -(-rows // br), -(-cols // bc)
+        amax = torch.zeros(tiles)
+        for i in range(tiles[0]):
+            for j in range(tiles[1]):
+                amax[i, j] = w[i * br : (i + 1) * br, j * bc : (j + 1) * bc].abs().max()
+        scale = torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30) / 448.0)))
+        full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        return (w / full).to(torch.float8_e4m3fn), scale.to(torch.float8_e8m0fnu)
+    padded = -(-cols // FP4_GROUP) * FP4_GROUP
+    groups = torch.nn.functional.pad(w, (0, padded - cols)).view(rows, -1, FP4_GROUP)
+    scale = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0)))
+    scaled = (groups / scale[..., None]).view(rows, padded)[:, :cols]
+    codes = (scaled[..., None] - FP4_VALUES).abs().argmin(dim=-1).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)

@@ -193,7 +193,18 @@ class WeightStore:
         except Exception as e:
             raise ModelLoadError(f"tensor {name!r} in {file} is corrupt: {e}") from None
 
+    def _scale_companion(self, name: str) -> str | None:
+        """`<stem>.scale` of a `<stem>.weight` (the DeepSeek V4 release format), if any."""
+        companion = name.removesuffix(".weight") + ".scale"
+        return companion if name.endswith(".weight") and companion in self._index else None
+
     def _dequantize(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        companion = self._scale_companion(name)
+        if companion is not None:
+            try:
+                return fp8.dequantize_scaled(tensor, self._read(self._index[companion], companion))
+            except ValueError as e:
+                raise ModelLoadError(f"tensor {name!r}: {e}") from None
         scale_name = f"{name}_scale_inv"
         block = self.ckpt.fp8_block
         if block is None or scale_name not in self._index:
@@ -218,7 +229,9 @@ class WeightStore:
                 f"tensor {name!r} is missing from {self.directory} ({self.ckpt.arch.architecture})"
             )
         tensor = self._read(file, name)
-        if tensor.dtype == torch.float8_e4m3fn:
+        if tensor.dtype == torch.float8_e4m3fn or (
+            tensor.dtype == torch.int8 and self._scale_companion(name) is not None
+        ):
             tensor = self._dequantize(name, tensor)
         want = self.expected.get(name)
         if want is not None and tuple(tensor.shape) != want:

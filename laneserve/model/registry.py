@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from laneserve.core.kv_cache_manager import CacheGroupSpec
-from laneserve.model import deepseek, llama
+from laneserve.model import deepseek, deepseek_v4, llama
 from laneserve.model.arch import ArchConfig, UnsupportedModelError
 from laneserve.model.layers import Kernels
 
@@ -64,6 +64,17 @@ def _deepseek_mtp(
     return load_deepseek_mtp(store, model, kernels, draft_weights, quantize)
 
 
+def _deepseek_v4_mtp(
+    store: Any,
+    model: Any,
+    kernels: Kernels,
+    draft_weights: str | None,
+    known_name: str | None,
+    quantize: str | None,
+) -> Any:
+    raise UnsupportedModelError("MTP speculative decoding is not supported for DeepSeek V4")
+
+
 FAMILIES = (
     ModelFamily(
         "llama",
@@ -80,6 +91,15 @@ FAMILIES = (
         deepseek.cache_groups,
         deepseek.weight_shapes,
         _deepseek_mtp,
+    ),
+    ModelFamily(
+        "deepseek_v4",
+        ("DeepseekV4ForCausalLM",),
+        deepseek_v4.DeepseekV4Model,
+        deepseek_v4.cache_groups,
+        deepseek_v4.weight_shapes,
+        _deepseek_v4_mtp,
+        supports_side_rows=False,
     ),
 )
 

@@ -39,10 +39,10 @@ def num_blocks_for(
         budget = budget_bytes if budget_bytes is not None else int(DEFAULT_KV_CACHE_GIB * 2**30)
         tokens = int(budget // sum(g.bytes_per_token for g in groups))
         counts = [tokens // g.block_size for g in groups]
-    least = min(counts)
-    if least * block_size < max_model_len:
+    least, size = min((n * g.block_size, g.block_size) for n, g in zip(counts, groups, strict=True))
+    if least < max_model_len:
         raise ValueError(
-            f"the KV cache holds {least} blocks = {least * block_size} tokens, fewer than "
+            f"the KV cache holds {least // size} blocks = {least} tokens, fewer than "
             f"max_model_len={max_model_len}; raise --kv-cache-memory / --num-kv-blocks "
             "or lower --max-model-len"
         )

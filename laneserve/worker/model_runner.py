@@ -23,6 +23,8 @@ import torch
 
 from laneserve.model.attention import AttentionMetadata, PrefillSpan
 from laneserve.model.deepseek import DeepseekModel
+from laneserve.model.deepseek_v4 import DeepseekV4Model
+from laneserve.model.deepseek_v4_attention import V4StepMetadata
 from laneserve.model.llama import LlamaModel
 from laneserve.protocol import RequestError, RequestOutput, StepResult, TokenLogprobs
 from laneserve.sample.step import Drafts, SampledStep, TreeRows, sample_step
@@ -34,7 +36,7 @@ from laneserve.worker.kv_cache import KvCache
 from laneserve.worker.side_rows import KvStack, SideStep
 from laneserve.worker.step_inputs import StepInputs
 
-Model = LlamaModel | DeepseekModel
+Model = LlamaModel | DeepseekModel | DeepseekV4Model
 
 
 class DeviceState:
@@ -235,6 +237,10 @@ class ModelRunner:
     ) -> _Forward:
         """The target's forward over the step's tokens, and its side rows if any."""
         if inp.spec.side is None:
+            if getattr(self.model, "reads_all_cache_groups", False):
+                grouped = self._all_groups(inp)
+                hidden, _ = self.model.forward(ids, positions, grouped, self.kv_caches)
+                return _Forward(hidden)
             hidden, _ = self.model.forward(ids, positions, meta, self.kv_caches[0])
             return _Forward(hidden)
         side, ids_all, pos_all, meta_all = side_rows.plan(
@@ -243,6 +249,14 @@ class ModelRunner:
         out, _ = self.model.forward(ids_all, pos_all, meta_all, self.kv_caches[0])
         hidden, side_hidden = side_rows.split(out, side)
         return _Forward(hidden, side, side_hidden)
+
+    def _all_groups(self, inp: StepInputs) -> V4StepMetadata:
+        """Every cache group's table per token (a model that reads all its groups)."""
+        row = inp.per_token.row
+        tables = tuple(
+            g.block_table.index_select(0, row).to(torch.int64) for g in inp.attention.groups
+        )
+        return V4StepMetadata(tables, inp.max_len)
 
     def _logits(self, inp: StepInputs, fwd: _Forward) -> torch.Tensor:
         """[N + Ra * W, V]: the sampling rows' logits rows, then the side rows."""

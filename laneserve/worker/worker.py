@@ -191,7 +191,7 @@ class Worker:
     def ready(self) -> WorkerReady:
         return WorkerReady(
             cache_groups=[
-                CacheGroupInfo(g.name, g.kind, n)
+                CacheGroupInfo(g.name, g.kind, n, g.block_size, g.window)
                 for g, n in zip(self.groups, self.num_blocks, strict=True)
             ],
             block_size=self.block_size,

@@ -103,5 +103,5 @@ def test_multiple_groups_hit_is_the_shortest() -> None:
     r2 = req(2, [5, 6, 7, 8, 1])
     _, n = kv.get_computed_blocks(r2)
     assert n == 2
-    with pytest.raises(ValueError, match="unknown cache group kinds"):
-        KVCacheManager(["sliding_window"], [4], block_size=2, enable_caching=True)
+    with pytest.raises(ValueError, match="unknown cache group kind"):
+        KVCacheManager(["recurrent_state"], [4], block_size=2, enable_caching=True)

@@ -1,0 +1,73 @@
+"""Cache-group kinds beyond full attention, and the factory the manager uses.
+
+```
+ positions      0   4   8   12  16  20  24  28  32  36  40   (block_size 4)
+ full           [##][##][##][##][##][##][##][##][##][##][#.  every block kept
+ sliding (W=8)  [  ][  ][  ][  ][  ][  ][  ][##][##][##][#.  blocks wholly behind
+                                     freed ^ margin ^window    computed - W - margin
+ compressed m=4 [ 0  1  2  3 ][ 4  5  6  7 ][ 8  9 10 .  ]   one entry per m tokens,
+                                                             block_size entries a block
+```
+A compressed group is accounted like full attention over blocks of
+`block_size x m` token positions. A sliding-window group frees a block once every
+position in it lies more than `window + lookahead` below the request's computed count
+(`lookahead`: the steps in flight and a speculative rollback may still read that far
+back). Freed entries stay in the request's list as None, so later block indexes keep
+their meaning; the worker's table keeps the old ids, which no read reaches.
+"""
+
+from __future__ import annotations
+
+from laneserve.core.block_pool import BlockPool, KVBlock
+from laneserve.core.kv_cache_manager import FullAttentionGroup
+
+KINDS = ("full_attention", "sliding_window", "compressed")
+
+
+class SlidingWindowGroup(FullAttentionGroup):
+    def __init__(self, block_size: int, pool: BlockPool, window: int, lookahead: int) -> None:
+        super().__init__(block_size, pool)
+        self.keep = window + lookahead  # positions below the computed count still read
+        self.num_trimmed: dict[int, int] = {}  # handle -> leading blocks freed
+
+    def trim(self, handle: int, num_computed: int) -> None:
+        blocks = self.blocks.get(handle)
+        if not blocks:
+            return
+        # block i holds positions [i bs, (i + 1) bs); free it once (i + 1) bs <= first kept
+        first_kept = num_computed - self.keep
+        upto = min(max(first_kept, 0) // self.block_size, len(blocks) - 1)
+        start = self.num_trimmed.get(handle, 0)
+        freed: list[KVBlock] = []
+        for i in range(start, upto):
+            block = blocks[i]
+            if block is not None:
+                freed.append(block)
+                blocks[i] = None  # type: ignore[call-overload]
+        if freed:
+            self.pool.free_blocks(freed)
+        self.num_trimmed[handle] = max(start, upto)
+
+    def num_held(self, handle: int) -> int:
+        return sum(1 for b in self.blocks.get(handle, ()) if b is not None)
+
+    def free(self, handle: int) -> None:
+        self.num_trimmed.pop(handle, None)
+        blocks = [b for b in self.blocks.pop(handle, []) if b is not None]
+        self.num_cached.pop(handle, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, handle: int) -> list[int]:
+        # NOTE: -1 for a freed block; only a running request has them, and a resumed
+        # one (the only reader of a whole list) was freed and allocated afresh.
+        return [b.block_id if b is not None else -1 for b in self.blocks.get(handle, ())]
+
+
+def make_group(
+    kind: str, block_size: int, pool: BlockPool, window: int, lookahead: int
+) -> FullAttentionGroup:
+    if kind in ("full_attention", "compressed"):
+        return FullAttentionGroup(block_size, pool)
+    if kind == "sliding_window":
+        return SlidingWindowGroup(block_size, pool, window, lookahead)
+    raise ValueError(f"unknown cache group kind {kind!r}; known: {list(KINDS)}")

@@ -1,0 +1,86 @@
+"""DeepSeek V4 mixture of experts: `sqrtsoftplus` scores, learned or hash routing,
+SwiGLU clamped at `swiglu_limit`, and one shared expert.
+
+Routing runs in fp32. A `moe` layer picks the top-k experts by score + bias (the bias
+only selects); a `hash_moe` layer takes them from `tid2eid[token id]`. Either way the
+weights are the chosen experts' unbiased scores, normalised to sum to 1, times
+`routed_scaling_factor`. Experts run grouped by expert, results summed per token in
+expert order (as transformers adds them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from laneserve.model.arch import UnsupportedModelError
+from laneserve.model.deepseek_v4_config import DeepseekV4Params
+from laneserve.model.deepseek_v4_ops import WeightGetter
+from laneserve.model.layers import Kernels, Linear
+from laneserve.model.moe import _group_by_expert
+
+_SCORES = {
+    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda x: x.softmax(dim=-1),
+}
+
+
+def clamped_swiglu(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """[.., 2I] (gate | up) -> [.., I]: silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class _Expert:
+    def __init__(self, kernels: Kernels, get: WeightGetter, stem: str, limit: float) -> None:
+        w13 = torch.cat([get(f"{stem}.w1.weight"), get(f"{stem}.w3.weight")])
+        self.w13 = Linear(kernels, w13, None)
+        self.w2 = Linear(kernels, get(f"{stem}.w2.weight"), None)
+        self.limit = limit
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w13(x), self.limit))
+
+
+class V4MoE:
+    def __init__(
+        self, p: DeepseekV4Params, kernels: Kernels, get: WeightGetter, prefix: str, hashed: bool
+    ) -> None:
+        if p.scoring_func not in _SCORES:
+            raise UnsupportedModelError(f"V4 scoring_func {p.scoring_func!r} is not supported")
+        self.p, self.score = p, _SCORES[p.scoring_func]
+        self.gate = get(f"{prefix}.gate.weight", torch.float32)  # [E, H]
+        self.bias = None if hashed else get(f"{prefix}.gate.bias", torch.float32)
+        self.tid2eid = get(f"{prefix}.gate.tid2eid", torch.int64) if hashed else None
+        limit = p.swiglu_limit
+        self.experts = [
+            _Expert(kernels, get, f"{prefix}.experts.{e}", limit) for e in range(p.n_routed_experts)
+        ]
+        self.shared = _Expert(kernels, get, f"{prefix}.shared_experts", limit)
+
+    def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.score(F.linear(x.float(), self.gate))  # [T, E]
+        if self.tid2eid is not None:
+            chosen = self.tid2eid.index_select(0, ids)  # [T, k]
+        else:
+            assert self.bias is not None
+            k = self.p.num_experts_per_tok
+            chosen = torch.topk(scores + self.bias, k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, chosen)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.p.routed_scaling_factor, chosen
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [T, H]
+        weights, chosen = self.route(x, ids)
+        order, counts = _group_by_expert(chosen)
+        pairs = torch.tensor(order, dtype=torch.int64, device=x.device)
+        tokens = pairs // chosen.shape[1]
+        xs = x.index_select(0, tokens)
+        outs, row = [], 0
+        for e, n in counts:
+            outs.append(self.experts[e](xs[row : row + n]))
+            row += n
+        y = torch.cat(outs) * weights.flatten().index_select(0, pairs)[:, None].to(x.dtype)
+        routed = torch.zeros_like(x).index_add_(0, tokens, y)
+        return routed + self.shared(x)

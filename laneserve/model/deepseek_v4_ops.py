@@ -1,0 +1,117 @@
+"""Small pieces of DeepSeek V4: norms, interleaved partial rope, hyper-connections.
+
+Everything here runs in fp32 whatever the run dtype (transformers keeps these
+modules in fp32), in plain torch ops laid out as transformers computes them, so fp32
+runs agree with it to the last bits where the op order allows.
+
+Hyper-connections (`hc_mult` = N residual streams per token, [T, N, H]):
+```
+ flat = rms(streams.flatten())                 (no weight)
+ pre, post, comb = split(flat @ fn^T) * scale + base
+ pre  = sigmoid(pre) + eps          collapse:  x = sum_n pre_n * stream_n
+ post = 2 sigmoid(post)             expand:    stream'_n = post_n * f(x) + sum_j comb[j, n] stream_j
+ comb = sinkhorn(softmax(comb) + eps)          (rows and columns summing to 1)
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from laneserve.model.rope import rope_frequencies
+
+WeightGetter = Callable[..., torch.Tensor]  # (name[, dtype]) -> tensor
+
+
+def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class Norm:
+    """Weighted RMSNorm with the weight applied in fp32, then cast once."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        self.weight, self.eps = weight.float(), eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
+class InterleavedRope:
+    """cos / sin tables [max_pos, rope_dim / 2] of one rope set; rotates the trailing
+    `rope_dim` channels of [T, heads, D] in adjacent pairs, in place of them."""
+
+    def __init__(self, params: dict, rope_dim: int, max_positions: int, device: torch.device):
+        inv_freq, attn = rope_frequencies(params, rope_dim)
+        pos = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv_freq[None, :]
+        self.cos = (freqs.cos() * attn).to(device)
+        self.sin = (freqs.sin() * attn).to(device)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False):
+        cos = self.cos.index_select(0, positions).repeat_interleave(2, dim=-1)[:, None]
+        sin = self.sin.index_select(0, positions).repeat_interleave(2, dim=-1)[:, None]
+        if inverse:
+            sin = -sin
+        rd = cos.shape[-1]
+        nope, rope = x[..., :-rd], x[..., -rd:]
+        swapped = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+        rotated = (rope.float() * cos + swapped.float() * sin).to(x.dtype)
+        return torch.cat([nope, rotated], dim=-1)
+
+
+class HyperConnection:
+    """The pre / post / comb weights of one block's hyper-connection (see the module doc)."""
+
+    def __init__(
+        self, get: WeightGetter, stem: str, n: int, iters: int, eps: float, rms_eps: float
+    ) -> None:
+        self.rms_eps = rms_eps
+        self.fn = get(f"{stem}_fn", torch.float32)  # [(2 + N) N, N H]
+        self.base = get(f"{stem}_base", torch.float32)
+        self.scale = get(f"{stem}_scale", torch.float32)  # [3]
+        self.n, self.iters, self.eps = n, iters, eps
+
+    def __call__(self, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """streams [T, N, H] -> post [T, N], comb [T, N, N], collapsed [T, H]."""
+        n, t = self.n, streams.shape[0]
+        mix = F.linear(rms_unweighted(streams.reshape(t, -1).float(), self.rms_eps), self.fn)
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(t, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def expand(
+        post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
+    ) -> torch.Tensor:
+        """stream'_n = post_n * out + sum_j comb[j, n] * stream_j."""
+        dtype = streams.dtype
+        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+
+
+class HyperHead:
+    """The final collapse of the N streams into one hidden state per token."""
+
+    def __init__(self, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float):
+        self.fn, self.base, self.scale, self.eps = fn.float(), base.float(), scale.float(), eps
+
+    def __call__(self, streams: torch.Tensor, rms_eps: float) -> torch.Tensor:
+        t = streams.shape[0]
+        mixes = F.linear(rms_unweighted(streams.reshape(t, -1).float(), rms_eps), self.fn)
+        pre = torch.sigmoid(mixes * self.scale + self.base) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

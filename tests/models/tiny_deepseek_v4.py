@@ -1,0 +1,204 @@
+"""A tiny random DeepSeek V4 checkpoint (transformers' `save_pretrained` layout) and
+helpers that check it exercises what the tests claim to test.
+
+Every part that transformers initialises to a neutral value is randomised so a wrong
+implementation cannot pass by accident: norms around 1, attention sinks, compressor
+position biases, hyper-connection bases and scales, router score bias, and `tid2eid`
+(the default all-zeros table would send every token to expert 0).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+V4_LAYER_TYPES = [
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+    "compressed_sparse_attention",
+]
+
+
+def deepseek_v4_config(**overrides: object):  # -> DeepseekV4Config
+    from transformers import DeepseekV4Config
+
+    cfg = dict(
+        vocab_size=320,
+        hidden_size=64,
+        moe_intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        q_lora_rank=32,
+        partial_rotary_factor=0.25,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        layer_types=V4_LAYER_TYPES,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        hc_mult=2,
+        hc_sinkhorn_iters=20,
+        sliding_window=8,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk=3,
+        rope_theta=10000.0,
+        compress_rope_theta=40000.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        max_position_embeddings=512,
+        routed_scaling_factor=1.5,
+        swiglu_limit=0.6,
+        num_nextn_predict_layers=0,
+        initializer_range=0.15,
+        bos_token_id=0,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    cfg.update(overrides)
+    return DeepseekV4Config(**cfg)
+
+
+def _randomise(model: torch.nn.Module, gen: torch.Generator, top_k: int) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(torch.empty_like(p).uniform_(0.7, 1.3, generator=gen))
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif name.endswith(("position_bias", "attn_hc.base", "ffn_hc.base", "hc_base")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith(("attn_hc.scale", "ffn_hc.scale", "hc_head.hc_scale")):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.5, generator=gen))
+            elif name.endswith(("attn_hc.fn", "ffn_hc.fn", "hc_fn", "gate.weight")):
+                p.mul_(4.0)  # decisive mixing and routing
+            elif name == "lm_head.weight":
+                p.mul_(4.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+            elif name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                rows = [torch.randperm(experts, generator=gen)[:top_k] for _ in range(b.shape[0])]
+                b.copy_(torch.stack(rows))
+
+
+def build_tiny_deepseek_v4(out: Path, *, seed: int = 0, **overrides: object) -> Path:
+    """save_pretrained output of a randomised tiny V4 (fp32) plus a small tokenizer."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from tests.tiny_models import build_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, 320)
+    cfg = deepseek_v4_config(**overrides)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg).float().eval()
+    gen = torch.Generator().manual_seed(seed + 1000)
+    _randomise(model, gen, cfg.num_experts_per_tok)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(str(out))
+    return out
+
+
+def indexer_score_gaps(model: torch.nn.Module, ids: list[int]) -> list[float]:
+    """For every CSA layer and every query with more causally valid compressed entries
+    than `index_topk`: the gap between its k-th and (k+1)-th best indexer score, from
+    transformers' own scorer over the whole sequence in one forward."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+
+    captured: list[torch.Tensor] = []
+    hooks = [
+        mod.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
+        for mod in model.modules()
+        if isinstance(mod, m.DeepseekV4IndexerScorer)
+    ]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    k, rate = model.config.index_topk, model.config.compress_rates["compressed_sparse_attention"]
+    gaps = []
+    for scores in captured:  # [1, S, T]
+        for t in range(scores.shape[1]):
+            valid = (t + 1) // rate
+            if valid > k:
+                top = scores[0, t, :valid].sort(descending=True).values
+                gaps.append(float(top[k - 1] - top[k]))
+    return gaps
+
+
+def to_release_layout(src: Path, out: Path) -> Path:
+    """The same weights under the release names: no `model.` prefix, `embed.weight`,
+    `hc_head_fn` / `hc_head_base` / `hc_head_scale` (config and tokenizer copied)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    state = load_file(str(src / "model.safetensors"))
+    renamed = {_release_name(name): t.contiguous() for name, t in state.items()}
+    save_file(renamed, str(out / "model.safetensors"))
+    return out
+
+
+_FP8 = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts.w1", "shared_experts.w2")
+_FP8 += ("shared_experts.w3",)
+
+
+def quantized_release(src: Path, out: Path, reference: Path) -> tuple[Path, Path]:
+    """`out`: the release layout with FP8 (ue8m0 block scales) attention and shared-expert
+    matrices and FP4-packed routed experts; `reference`: a save_pretrained-layout copy
+    holding exactly the dequantized values (what transformers should be compared with)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from laneserve.model import fp8
+
+    to_release_layout(src, out)
+    state = load_file(str(out / "model.safetensors"))
+    quantized, exact = {}, {}
+    for name, t in state.items():
+        stem = name.removesuffix(".weight")
+        fp4 = ".ffn.experts." in name
+        if name.endswith(".weight") and (fp4 or stem.endswith(_FP8)):
+            q, s = fp8.quantize_ue8m0(t, fp4)
+            quantized[name], quantized[f"{stem}.scale"] = q, s
+            exact[name] = fp8.dequantize_scaled(q, s)
+        else:
+            quantized[name] = exact[name] = t
+    save_file(quantized, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    reference.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, reference / f.name)
+    original = load_file(str(src / "model.safetensors"))
+    release_of = {_release_name(n): n for n in original}
+    save_file({release_of[n]: t for n, t in exact.items()}, str(reference / "model.safetensors"))
+    return out, reference
+
+
+def _release_name(name: str) -> str:
+    name = name.removeprefix("model.").replace("embed_tokens.weight", "embed.weight")
+    return name.replace("hc_head.hc_", "hc_head_")
