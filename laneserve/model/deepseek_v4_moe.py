@@ -73,7 +73,7 @@ class V4MoE:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [T, H]
         weights, chosen = self.route(x, ids)
-        order, counts = _group_by_expert(chosen)
+        order, counts, _ = _group_by_expert(chosen)
         pairs = torch.tensor(order, dtype=torch.int64, device=x.device)
         tokens = pairs // chosen.shape[1]
         xs = x.index_select(0, tokens)
