@@ -11,6 +11,7 @@ TORCH_LIBRARY(laneserve, m) {
   m.def(
       "linear(Tensor x, Tensor w, int out_features, Tensor? bias, int isa, "
       "Tensor? scale=None) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor w, int out_features, int qtype, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def(
@@ -45,6 +46,7 @@ TORCH_LIBRARY(laneserve, m) {
 TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("pack_linear_weight", &laneserve::pack_linear_weight);
   m.impl("linear", &laneserve::linear);
+  m.impl("quant_linear", &laneserve::quant_linear);
   m.impl("rms_norm", &laneserve::rms_norm);
   m.impl("fused_add_rms_norm", &laneserve::fused_add_rms_norm);
   m.impl("rotary_embedding", &laneserve::rotary_embedding);

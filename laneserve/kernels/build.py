@@ -43,6 +43,7 @@ SOURCES = tuple(
     KERNEL_DIR / name
     for name in (
         "linear.cpp",
+        "quant_linear.cpp",
         "elementwise.cpp",
         "attention.cpp",
         "kv_cache.cpp",
@@ -71,6 +72,7 @@ LDFLAGS = ("-fopenmp",)
 OPS = (
     "pack_linear_weight",
     "linear",
+    "quant_linear",
     "rms_norm",
     "fused_add_rms_norm",
     "rotary_embedding",

@@ -18,6 +18,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
                   const std::optional<at::Tensor>& bias_in, int64_t isa,
                   const std::optional<at::Tensor>& scale_in);
 
+// quant_linear.cpp
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
+                        int64_t qtype, const std::optional<at::Tensor>& bias_in);
+
 // elementwise.cpp
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps);
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w_in, double eps);
