@@ -69,7 +69,9 @@ SHAPES = [(1, 7, 32), (3, 33, 96), (6, 16, 256), (7, 50, 512), (13, 129, 768), (
 
 @pytest.mark.parametrize("qtype", quant.QTYPES)
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
-def test_native_equals_dequantized_fp32(cpu_kernels: CpuKernels, qtype: str, m: int, n: int, k: int) -> None:
+def test_native_equals_dequantized_fp32(
+    cpu_kernels: CpuKernels, qtype: str, m: int, n: int, k: int
+) -> None:
     if k % GGUF_BLOCKS[qtype][0]:
         pytest.skip("K is not a multiple of the block")
     qw = random_blocks(qtype, n, k, seed=m * 1000 + n)
