@@ -16,6 +16,8 @@ import msgspec
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 WORKER_MODES = ("thread", "process")
+# GGUF linear weights: kept in their quantized blocks (CPU kernels) or dequantized to dtype
+GGUF_WEIGHTS = ("quantized", "dequantized")
 DEFAULT_MAX_N = 128  # most choices (prompts x n) in one server request
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # `laneserve serve`: larger HTTP bodies are refused
 
@@ -30,6 +32,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     use_kernels: bool = True  # CPU C++ kernels when they build
     chat_template: str | None = None  # a file, or the template itself (None: the model's)
     generation_config: str = "vllm"  # "auto": the model's generation_config.json defaults
+    gguf_weights: str = "quantized"  # one of GGUF_WEIGHTS (CPU only; see docs/kernels.md)
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -240,6 +243,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         m, c, s = self.model, self.cache, self.scheduler
         if m.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {m.dtype!r}")
+        if m.gguf_weights not in GGUF_WEIGHTS:
+            raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}, got {m.gguf_weights!r}")
         if m.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {m.device!r}")
         if m.max_model_len is not None and m.max_model_len < 2:

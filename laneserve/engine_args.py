@@ -19,6 +19,7 @@ import msgspec
 from laneserve.config import (
     DEVICES,
     DTYPES,
+    GGUF_WEIGHTS,
     WORKER_MODES,
     CacheConfig,
     EngineConfig,
@@ -76,6 +77,13 @@ class EngineArgs:
         "dtype",
         "weight and activation dtype; auto: the checkpoint's (bfloat16 for float16 on CPU)",
         choices=DTYPES,
+    )
+    gguf_weights: str = _from_config(
+        ModelConfig,
+        "gguf_weights",
+        "GGUF files on CPU: keep q4_0/q4_1/q8_0/q4_k linear weights quantized (the same "
+        "results as dtype float32), or dequantize every weight to --dtype",
+        choices=GGUF_WEIGHTS,
     )
     device: str = _from_config(
         ModelConfig, "device", "auto: cuda when available, else cpu", choices=DEVICES
@@ -180,6 +188,7 @@ class EngineArgs:
                 max_model_len=self.max_model_len,
                 seed=self.seed,
                 use_kernels=self.use_kernels,
+                gguf_weights=self.gguf_weights,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -427,11 +427,14 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def write_tiny_gguf(model_dir: Path, out: Path, arch: str | None = None) -> Path:
+def write_tiny_gguf(
+    model_dir: Path, out: Path, arch: str | None = None, quant: dict[str, str] | None = None
+) -> Path:
     """An F32 GGUF of an HF checkpoint, written the way llama.cpp's converter writes
     one: llama.cpp tensor names, the rotary row interleave of q/k for llama / mistral,
     hyperparameters and a byte-level BPE ("gpt2") tokenizer as metadata. `arch`
-    overrides general.architecture (llama.cpp writes most Mistral files as "llama")."""
+    overrides general.architecture (llama.cpp writes most Mistral files as "llama").
+    `quant`: HF-name suffix -> GGUF type ("Q4_0", "Q4_1", "Q8_0") of matching 2-D tensors."""
     import json
 
     import gguf
@@ -449,7 +452,13 @@ def write_tiny_gguf(model_dir: Path, out: Path, arch: str | None = None) -> Path
         if arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             array = _gguf_permute(array, heads)
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        kind = next((k for s, k in (quant or {}).items() if name.endswith(s)), None)
+        if kind is not None and array.ndim == 2:
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(_gguf_name(name), array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Generator, Iterator, Sequence
 from typing import cast
 
@@ -28,6 +29,11 @@ class LLM:
         args = EngineArgs.from_kwargs({"model": model, **kwargs})
         self.engine = LLMEngine(args.create_config())
         self._ids = itertools.count()
+        # NOTE: the lane threads keep the engine (worker, model, KV cache) reachable, so
+        # an LLM dropped without shutdown() would leak them; the finalizer shuts the
+        # engine down when this object is collected (or at exit). It must not hold
+        # `self`, and it runs at most once (shutdown() calls it too).
+        self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine)
 
     def get_tokenizer(self):
         return self.engine.tokenizer.hf
@@ -103,7 +109,8 @@ class LLM:
         return self.engine.stats()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stop the worker and free the model and KV cache (idempotent)."""
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self
@@ -179,6 +186,10 @@ class TextStream:
             else:
                 texts = {state.request.handle: self._text}
                 self.output = _request_output(self._rid, self._states, texts)
+
+
+def _shutdown_engine(engine: LLMEngine) -> None:
+    engine.shutdown()
 
 
 def _request_output(rid: str, states: list[RequestState], texts: dict[int, str]) -> RequestOutput:

@@ -29,6 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from laneserve.kernels.quant import QuantWeight
 from laneserve.kernels.weights import PackedWeight
 
 # Largest M for which CpuKernels.linear guarantees batch invariance. The current kernel
@@ -48,6 +49,12 @@ class Kernels(Protocol):
         in this implementation's layout; ``quantize="int8"`` stores it weight-only int8
         (per output row scales). Raises ValueError / TypeError for other shapes, dtypes or
         quantizations. A PackedWeight is only valid for the object that packed it."""
+        ...
+
+    def pack_gguf_weight(self, w: QuantWeight) -> PackedWeight:
+        """Prepare a GGUF block-quantized weight (q4_0 / q4_1 / q8_0 / q4_k, quant.py)
+        for :meth:`linear`. CpuKernels keeps it quantized on AVX-512 CPUs; everywhere the
+        result is bitwise that of ``pack_linear_weight(quant.dequantize(w))``."""
         ...
 
     def linear(

@@ -14,6 +14,7 @@ TORCH_LIBRARY(laneserve, m) {
   m.def(
       "linear_prefill(Tensor x, Tensor w, int out_features, Tensor? bias, int first_prefill) "
       "-> Tensor");
+  m.def("quant_linear(Tensor x, Tensor w, int out_features, int qtype, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def(
@@ -49,6 +50,7 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("pack_linear_weight", &laneserve::pack_linear_weight);
   m.impl("linear", &laneserve::linear);
   m.impl("linear_prefill", &laneserve::linear_prefill);
+  m.impl("quant_linear", &laneserve::quant_linear);
   m.impl("rms_norm", &laneserve::rms_norm);
   m.impl("fused_add_rms_norm", &laneserve::fused_add_rms_norm);
   m.impl("rotary_embedding", &laneserve::rotary_embedding);

@@ -44,6 +44,7 @@ SOURCES = tuple(
     for name in (
         "linear.cpp",
         "linear_amx.cpp",
+        "quant_linear.cpp",
         "elementwise.cpp",
         "attention.cpp",
         "kv_cache.cpp",
@@ -87,8 +88,9 @@ OPS = (
     "top_tokens",
     "write_drafts",
 )
-# Ops that one of OPS uses behind the protocol (CpuKernels.linear: prompt rows on AMX).
-INTERNAL_OPS = ("linear_prefill",)
+# Ops that one of OPS uses behind the protocol (CpuKernels.linear: prompt rows on AMX,
+# GGUF-packed weights).
+INTERNAL_OPS = ("linear_prefill", "quant_linear")
 
 
 @dataclass(frozen=True)

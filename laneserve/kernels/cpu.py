@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from laneserve.kernels import weights
+from laneserve.kernels import quant, weights
 from laneserve.kernels.build import KernelLib
+from laneserve.kernels.quant import QuantWeight
 from laneserve.kernels.reference import TorchKernels
 from laneserve.kernels.weights import PackedWeight
 
@@ -21,6 +22,8 @@ LAYOUT_BLOCKED = "blocked16"  # CpuKernels: [ceil(N/16), K, 16], zero padded
 LAYOUT_BLOCKED_512 = "blocked16-avx512"  # the same; bf16 as row pairs, K padded to even
 _ISA_CODE = {"avx2": 0, "avx512": 1}  # linear.cpp kIsaAvx2 / kIsaAvx512
 _ISA_LAYOUT = {"avx2": LAYOUT_BLOCKED, "avx512": LAYOUT_BLOCKED_512}
+# GGUF weights kept quantized (quant_linear.cpp, AVX-512): layout name -> the op's qtype
+_GGUF_LAYOUT = {f"gguf-{name}-avx512": code for name, code in quant.QTYPE_CODE.items()}
 
 
 class CpuKernels:
@@ -41,6 +44,7 @@ class CpuKernels:
         self._pack = ops.pack_linear_weight
         self._linear = ops.linear
         self._linear_prefill = ops.linear_prefill
+        self._quant_linear = ops.quant_linear
         self._rms_norm = ops.rms_norm
         self._fused_add_rms_norm = ops.fused_add_rms_norm
         self._rotary = ops.rotary_embedding
@@ -68,6 +72,14 @@ class CpuKernels:
         data = self._pack(w.detach(), self._isa)
         return PackedWeight(data, w.shape[0], w.shape[1], w.dtype, layout)
 
+    def pack_gguf_weight(self, w: QuantWeight) -> PackedWeight:
+        """A GGUF-quantized weight kept quantized (AVX-512: quant_linear.cpp's layout);
+        elsewhere its exact fp32 dequantization, which ``linear`` maps to the same bits."""
+        n, k = w.shape
+        if self.isa != "avx512":
+            return self.pack_linear_weight(quant.dequantize(w))
+        return PackedWeight(quant.repack(w), n, k, torch.uint8, f"gguf-{w.qtype}-avx512")
+
     def linear(
         self,
         x: torch.Tensor,  # [M, K] float32
@@ -82,6 +94,8 @@ class CpuKernels:
             and first_prefill < x.shape[0]
         ):
             return self._linear_prefill(x, w.data, w.out_features, bias, first_prefill)
+        if w.dtype is torch.uint8:  # GGUF blocks (pack_gguf_weight)
+            return self._quant_linear(x, w.data, w.out_features, _GGUF_LAYOUT[w.layout], bias)
         return self._linear(x, w.data, w.out_features, bias, self._isa, w.scale)
 
     def rms_norm(

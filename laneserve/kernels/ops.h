@@ -21,6 +21,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
 // linear_amx.cpp
 at::Tensor linear_prefill(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
                           const std::optional<at::Tensor>& bias_in, int64_t first_prefill);
+// quant_linear.cpp
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
+                        int64_t qtype, const std::optional<at::Tensor>& bias_in);
 
 // elementwise.cpp
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps);

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from laneserve.kernels import weights
+from laneserve.kernels import quant, weights
+from laneserve.kernels.quant import QuantWeight
 from laneserve.kernels.weights import PackedWeight
 
 LAYOUT_TORCH = "torch"  # TorchKernels: plain [N, K] for F.linear (fp32 on CPU)
@@ -39,6 +40,10 @@ class TorchKernels:
         if data.device.type == "cpu":
             data = data.to(torch.float32)
         return PackedWeight(data.contiguous(), w.shape[0], w.shape[1], dtype, LAYOUT_TORCH)
+
+    def pack_gguf_weight(self, w: QuantWeight) -> PackedWeight:
+        # The exact fp32 values the native kernel computes (quant.py), stored dense.
+        return self.pack_linear_weight(quant.dequantize(w))
 
     def linear(
         self,

@@ -15,6 +15,21 @@ import torch
 import torch.nn.functional as F
 
 from laneserve.kernels import Kernels, PackedWeight
+from laneserve.kernels.quant import QuantWeight, cat_rows
+
+__all__ = ["cat_rows", "linear_weight"]
+
+
+def linear_weight(
+    get: Any, name: str, default: torch.Tensor | None = None
+) -> torch.Tensor | QuantWeight:
+    """A linear weight from a weight getter: kept quantized where the getter offers that
+    (`WeightStore.quantized_linear`), else `default` if given, else `get(name)`."""
+    quantized = getattr(get, "quantized_linear", None)
+    q = quantized(name) if quantized is not None else None
+    if q is not None:
+        return q
+    return default if default is not None else get(name)
 
 
 class Linear:
@@ -23,12 +38,16 @@ class Linear:
     def __init__(
         self,
         kernels: Kernels,
-        weight: torch.Tensor,
+        weight: torch.Tensor | QuantWeight,  # a GGUF-quantized one stays quantized
         bias: torch.Tensor | None,
         quantize: str | None = None,  # weight-only quantization at load (kernels.QUANTIZATIONS)
     ) -> None:
         self.kernels = kernels
-        self.weight: PackedWeight = kernels.pack_linear_weight(weight, quantize)
+        self.weight: PackedWeight = (
+            kernels.pack_gguf_weight(weight)
+            if isinstance(weight, QuantWeight)
+            else kernels.pack_linear_weight(weight, quantize)
+        )
         self.bias = bias
         self.out_features = int(weight.shape[0])
 
@@ -81,8 +100,8 @@ class GatedMLP:
     def __init__(
         self,
         kernels: Kernels,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
+        gate_up: torch.Tensor | QuantWeight,
+        down: torch.Tensor | QuantWeight,
         quantize: str | None = None,
     ) -> None:
         self.kernels = kernels

@@ -15,7 +15,15 @@ import torch
 from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.model.arch import ArchConfig
 from laneserve.model.attention import AttentionMetadata, Kernels, paged_attention
-from laneserve.model.layers import DecoderStack, GatedMLP, Linear, RMSNorm, Rotary
+from laneserve.model.layers import (
+    DecoderStack,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    Rotary,
+    cat_rows,
+    linear_weight,
+)
 
 WeightGetter = Callable[[str], torch.Tensor]
 
@@ -34,23 +42,22 @@ class DecoderLayer:
         self.kernels = kernels
         self.rotary = rotary
         a = f"{prefix}.self_attn"
-        qkv_w = torch.cat(
-            [get(f"{a}.q_proj.weight"), get(f"{a}.k_proj.weight"), get(f"{a}.v_proj.weight")]
-        )
+        qkv_w = cat_rows([linear_weight(get, f"{a}.{x}_proj.weight") for x in "qkv"])
         qkv_b = None
         if arch.qkv_bias:
             qkv_b = torch.cat(
                 [get(f"{a}.q_proj.bias"), get(f"{a}.k_proj.bias"), get(f"{a}.v_proj.bias")]
             )
         self.qkv = Linear(kernels, qkv_w, qkv_b, quantize)
-        self.o_proj = Linear(kernels, get(f"{a}.o_proj.weight"), None, quantize)
+        self.o_proj = Linear(kernels, linear_weight(get, f"{a}.o_proj.weight"), None, quantize)
         self.q_norm = self.k_norm = None
         if arch.qk_norm:
             self.q_norm = RMSNorm(kernels, get(f"{a}.q_norm.weight"), arch.rms_norm_eps)
             self.k_norm = RMSNorm(kernels, get(f"{a}.k_norm.weight"), arch.rms_norm_eps)
         m = f"{prefix}.mlp"
-        gate_up = torch.cat([get(f"{m}.gate_proj.weight"), get(f"{m}.up_proj.weight")])
-        self.mlp = GatedMLP(kernels, gate_up, get(f"{m}.down_proj.weight"), quantize)
+        gate_up = cat_rows([linear_weight(get, f"{m}.{x}_proj.weight") for x in ("gate", "up")])
+        down = linear_weight(get, f"{m}.down_proj.weight")
+        self.mlp = GatedMLP(kernels, gate_up, down, quantize)
         self.input_norm = RMSNorm(
             kernels, get(f"{prefix}.input_layernorm.weight"), arch.rms_norm_eps
         )
@@ -128,8 +135,8 @@ class LlamaModel(DecoderStack):
             for i in range(arch.num_layers)
         ]
         self.norm = RMSNorm(kernels, get("model.norm.weight"), arch.rms_norm_eps)
-        head = self.embed_tokens if arch.tie_word_embeddings else get("lm_head.weight")
-        self.lm_head = Linear(kernels, head, None)
+        tied = self.embed_tokens if arch.tie_word_embeddings else None
+        self.lm_head = Linear(kernels, linear_weight(get, "lm_head.weight", tied), None)
 
 
 def cache_groups(

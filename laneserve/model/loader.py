@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from laneserve.kernels.quant import QuantWeight
 from laneserve.model import fp8
 from laneserve.model.arch import SUPPORTED_ARCHITECTURES, ArchConfig
 from laneserve.model.gguf import converted_dir
+from laneserve.model.gguf_native import GgufQuantWeights
 
 if TYPE_CHECKING:
     from safetensors import safe_open
@@ -44,6 +46,7 @@ class Checkpoint:
     weight_dtype: torch.dtype
     known_name: str | None = None  # set for the embedded default model
     fp8_block: tuple[int, int] | None = None  # block-quantized fp8 weights (see fp8.py)
+    gguf_quantized: Path | None = None  # a GGUF file whose linear weights stay quantized
 
 
 def default_model_path() -> Path:
@@ -81,7 +84,11 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def resolve_checkpoint(model: str | None, dtype: str, device: torch.device) -> Checkpoint:
+def resolve_checkpoint(
+    model: str | None, dtype: str, device: torch.device, gguf_weights: str = "dequantized"
+) -> Checkpoint:
+    """`gguf_weights="quantized"`: a GGUF file's supported linear weights stay quantized
+    (CPU only; `gguf_native.py`), the rest is dequantized to `dtype` as before."""
     path = Path(model).expanduser() if model else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
@@ -100,7 +107,16 @@ def resolve_checkpoint(model: str | None, dtype: str, device: torch.device) -> C
     fp8_block = fp8.block_size_of(cfg)
     weight_dtype = resolve_dtype(dtype, arch.torch_dtype, device)
     known = DEFAULT_MODEL_NAME if path.name == DEFAULT_MODEL_FILE else None
-    return Checkpoint(directory, str(model or path), arch, weight_dtype, known, fp8_block)
+    native = path.is_file() and gguf_weights == "quantized" and device.type == "cpu"
+    return Checkpoint(
+        directory,
+        str(model or path),
+        arch,
+        weight_dtype,
+        known,
+        fp8_block,
+        gguf_quantized=path if native else None,
+    )
 
 
 def _read_config(directory: Path) -> dict:
@@ -152,6 +168,9 @@ class WeightStore:
         from laneserve.model.registry import family_for  # the families import this module
 
         self.expected = family_for(ckpt.arch).weight_shapes(ckpt.arch)
+        self.quantized: GgufQuantWeights | None = None
+        if ckpt.gguf_quantized is not None and file is None:
+            self.quantized = GgufQuantWeights(ckpt.gguf_quantized, _read_config(ckpt.directory))
         self.loaded = 0
         self._start = time.perf_counter()
 
@@ -220,6 +239,19 @@ class WeightStore:
     def raw(self, name: str) -> torch.Tensor:
         """A tensor as stored (no dtype change), e.g. integer index tensors."""
         return self._files[self._index[name]].get_tensor(name).to(self.device)
+
+    def quantized_linear(self, name: str) -> QuantWeight | None:
+        """The linear weight `name` kept quantized (a GGUF file read with
+        `gguf_weights="quantized"`), or None: then read it densely. `lm_head.weight` of a
+        tied model is the quantized token embedding."""
+        if self.quantized is None or name not in self.quantized:
+            return None
+        q = self.quantized.get(name)
+        want = self.expected.get(name, self.expected.get("model.embed_tokens.weight"))
+        if want is not None and q.shape != want:
+            raise ModelLoadError(f"tensor {name!r} has shape {q.shape}, expected {want}")
+        self.loaded += 1
+        return q
 
     def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The checked tensor, in `dtype` if given (else by rank, see the class)."""

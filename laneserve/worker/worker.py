@@ -62,7 +62,7 @@ class Worker:
             torch.set_num_threads(config.worker.num_threads)
         self.device = resolve_device(config.model.device)
         self.ckpt: Checkpoint = resolve_checkpoint(
-            config.model.model, config.model.dtype, self.device
+            config.model.model, config.model.dtype, self.device, config.model.gguf_weights
         )
         arch = self.ckpt.arch
         self.kernels = get_kernels(self.device, enable=config.model.use_kernels)

@@ -1,0 +1,215 @@
+// quant_linear: y[M, N] = x[M, K] @ W^T (+ bias) with W kept as GGUF-quantized blocks
+// (q4_0, q4_1, q8_0, q4_k), repacked by laneserve/kernels/quant.py (`repack`). AVX-512 only;
+// on other CPUs CpuKernels multiplies by the dequantized fp32 weight, which gives the same
+// bits (see below).
+//
+// Layout: [nblk = ceil(N/16), G = K/32, record]; a record covers 16 output columns and one
+// 32-wide group of k: 16 scales (fp16; fp32 for q4_k), 16 offsets (q4_1, q4_k), then the
+// quants (4-bit: 16 k pairs x 16 bytes, low nibble = even k; 8-bit: 32 k x 16 int8).
+//
+// NOTE (exactness): each weight is rebuilt in registers as s * q (+ o), one mul_ps and one
+// add_ps (no contraction: -ffp-contract=off), exactly the values quant.py `dequantize`
+// computes, and each output is the fp32 linear kernel's chain
+//   acc = fma(x[k], w[k], acc) for k = 0..K-1 from 0, then + bias.
+// So the result is bitwise linear(x, dequantize(W)) on the fp32 path, independent of M,
+// of the tile shape and of the thread split (batch invariant as vec.h describes).
+
+#include "ops.h"
+#include "vec.h"
+
+#include <type_traits>
+
+namespace laneserve {
+namespace {
+
+enum QType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3 };
+constexpr int64_t kGroupK = 32;   // k per record
+constexpr int kQMaxRows = 6;      // rows per tile
+constexpr int64_t kQPrefetch = 2048;  // bytes ahead in each column block's stream
+
+struct QuantArgs {
+  const float* x;     // [M, K]
+  const uint8_t* w;   // [nblk, G, record]
+  const float* bias;  // [N] or nullptr
+  float* out;         // [M, N]
+  int64_t M, K, N, G, record;
+};
+
+constexpr int64_t scale_bytes(int64_t q) { return q == kQ4_K ? 4 : 2; }
+constexpr bool has_offset(int64_t q) { return q == kQ4_1 || q == kQ4_K; }
+constexpr int64_t quant_bytes(int64_t q) { return q == kQ8_0 ? kGroupK * kNB : kGroupK * kNB / 2; }
+constexpr int64_t record_bytes(int64_t q) {
+  return (has_offset(q) ? 2 : 1) * scale_bytes(q) * kNB + quant_bytes(q);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw")
+
+template <int64_t Q>
+inline __m512 load_scales(const uint8_t* p) {
+  if constexpr (scale_bytes(Q) == 4) return _mm512_loadu_ps(p);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The weight vector of 16 columns from their integer quants: s * q (+ o), rounded per op.
+template <int64_t Q>
+inline __m512 rebuild(__m512i q, __m512 s, __m512 o) {
+  const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
+  if constexpr (has_offset(Q)) return _mm512_add_ps(w, o);
+  return w;
+}
+
+// Weights of k = 2j and 2j + 1 (16 columns each) of one record.
+template <int64_t Q>
+inline void load_pair(const uint8_t* quants, int j, __m512 s, __m512 o, __m512& w0, __m512& w1) {
+  if constexpr (Q == kQ8_0) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(quants + 2 * j * kNB);
+    w0 = rebuild<Q>(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)), s, o);
+    w1 = rebuild<Q>(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)), s, o);
+  } else {
+    const __m512i v = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(quants + j * kNB)));
+    __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));
+    __m512i hi = _mm512_srli_epi32(v, 4);
+    if constexpr (Q == kQ4_0) {  // stored as q + 8
+      lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
+      hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
+    }
+    w0 = rebuild<Q>(lo, s, o);
+    w1 = rebuild<Q>(hi, s, o);
+  }
+}
+
+// R rows x C column blocks. Per output one FMA chain over k in order (module NOTE).
+template <int64_t Q, int R, int C>
+void quant_tile(const QuantArgs& a, int64_t m0, int64_t b0) {
+  constexpr int64_t kRec = record_bytes(Q);
+  constexpr int64_t kScaleBytes = scale_bytes(Q) * kNB;
+  const int64_t K = a.K, stride = a.G * kRec;  // bytes per column block
+  const float* x = a.x + m0 * K;
+  const uint8_t* wb = a.w + b0 * stride;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 s[C], o[C];
+    const uint8_t* rec[C];
+    for (int c = 0; c < C; ++c) {
+      rec[c] = wb + c * stride + g * kRec;
+      for (int64_t off = 0; off < kRec; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec[c] + kQPrefetch + off), _MM_HINT_T1);
+      s[c] = load_scales<Q>(rec[c]);
+      o[c] = has_offset(Q) ? load_scales<Q>(rec[c] + kScaleBytes) : _mm512_setzero_ps();
+    }
+    const float* xg = x + g * kGroupK;
+    for (int j = 0; j < kGroupK / 2; ++j) {
+      __m512 w0[C], w1[C];
+      for (int c = 0; c < C; ++c)
+        load_pair<Q>(rec[c] + (has_offset(Q) ? 2 : 1) * kScaleBytes, j, s[c], o[c], w0[c], w1[c]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x0 = _mm512_set1_ps(xg[r * K + 2 * j]);
+        const __m512 x1 = _mm512_set1_ps(xg[r * K + 2 * j + 1]);
+        for (int c = 0; c < C; ++c) {
+          acc[r][c] = _mm512_fmadd_ps(x0, w0[c], acc[r][c]);
+          acc[r][c] = _mm512_fmadd_ps(x1, w1[c], acc[r][c]);
+        }
+      }
+    }
+  }
+
+  for (int c = 0; c < C; ++c) {
+    const int64_t n0 = (b0 + c) * kNB;
+    const int64_t valid = std::min<int64_t>(kNB, a.N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = a.bias ? _mm512_add_ps(acc[r][c], b) : acc[r][c];
+      _mm512_mask_storeu_ps(a.out + (m0 + r) * a.N + n0, mask, v);
+    }
+  }
+}
+
+// Column blocks per tile: accumulators, scales, offsets and 2C weights within 32 zmm.
+template <int R>
+constexpr int quant_cols_for_rows() {
+  return R <= 2 ? 4 : (R <= 4 ? 2 : 1);
+}
+
+template <int64_t Q, int R>
+void quant_row_tile(const QuantArgs& a, int64_t m0, int64_t b0, int64_t b1) {
+  constexpr int C = quant_cols_for_rows<R>();
+  int64_t b = b0;
+  for (; b + C <= b1; b += C) quant_tile<Q, R, C>(a, m0, b);
+  for (; b < b1; ++b) quant_tile<Q, R, 1>(a, m0, b);
+}
+
+template <int64_t Q>
+void quant_range(const QuantArgs& a, int64_t lo, int64_t hi) {
+  for (int64_t m0 = 0; m0 < a.M; m0 += kQMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kQMaxRows, a.M - m0));
+    switch (rows) {
+      case 1: quant_row_tile<Q, 1>(a, m0, lo, hi); break;
+      case 2: quant_row_tile<Q, 2>(a, m0, lo, hi); break;
+      case 3: quant_row_tile<Q, 3>(a, m0, lo, hi); break;
+      case 4: quant_row_tile<Q, 4>(a, m0, lo, hi); break;
+      case 5: quant_row_tile<Q, 5>(a, m0, lo, hi); break;
+      default: quant_row_tile<Q, 6>(a, m0, lo, hi); break;
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+template <int64_t Q>
+void quant_driver(const QuantArgs& a) {
+  const int64_t nblk = (a.N + kNB - 1) / kNB;
+  // ~64k FMAs minimum per task, as linear: tiny problems stay on one thread.
+  const int64_t per_block = std::max<int64_t>(1, a.M * a.K * kNB);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_block);
+  // NOTE: parallel over output blocks only, never over K (the split changes no bit).
+  // Blocks are walked in groups of 8 so that several row tiles reuse them from cache.
+  at::parallel_for(0, nblk, grain, [&](int64_t lo, int64_t hi) {
+    const int64_t step = a.M <= kQMaxRows ? hi - lo : 8;
+    for (int64_t g = lo; g < hi; g += step) quant_range<Q>(a, g, std::min(g + step, hi));
+  });
+}
+
+}  // namespace
+
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
+                        int64_t qtype, const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(qtype >= kQ4_0 && qtype <= kQ4_K, "quant_linear: unknown qtype ", qtype);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
+              "quant_linear: x must be a 2-D float32 tensor");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "quant_linear: w must be a contiguous [nblk, K/32, record] uint8 tensor");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t nblk = (n_out + kNB - 1) / kNB;
+  TORCH_CHECK(K % kGroupK == 0, "quant_linear: K must be a multiple of 32, got ", K);
+  const int64_t rec = record_bytes(qtype);
+  TORCH_CHECK(w.size(0) == nblk && w.size(1) == K / kGroupK && w.size(2) == rec,
+              "quant_linear: packed weight shape does not match K=", K, ", N=", n_out);
+  const float* bias = nullptr;
+  at::Tensor bias_c;
+  if (bias_in.has_value()) {
+    bias_c = bias_in->contiguous();
+    TORCH_CHECK(bias_c.scalar_type() == at::kFloat && bias_c.numel() == n_out,
+                "quant_linear: bias must be float32 [N]");
+    bias = bias_c.data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, n_out}, x.options());
+  if (M == 0 || n_out == 0) return out;
+  const QuantArgs a{x.data_ptr<float>(), w.data_ptr<uint8_t>(), bias, out.data_ptr<float>(),
+                    M, K, n_out, K / kGroupK, rec};
+  switch (qtype) {
+    case kQ4_0: quant_driver<kQ4_0>(a); break;
+    case kQ4_1: quant_driver<kQ4_1>(a); break;
+    case kQ8_0: quant_driver<kQ8_0>(a); break;
+    default: quant_driver<kQ4_K>(a); break;
+  }
+  return out;
+}
+
+}  // namespace laneserve
