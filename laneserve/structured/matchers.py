@@ -73,7 +73,8 @@ class GrammarBook:
         """Advance each matcher by its request's emitted tokens (output lane)."""
         for out in outputs:
             matcher = self._matchers.get(out.handle)
-            if matcher is None or not out.token_ids or matcher.is_error():
+            # NOTE: a stopped matcher is complete: the EOS that follows needs no check
+            if matcher is None or not out.token_ids or matcher.is_error() or matcher.is_stopped():
                 continue
             if not matcher.consume_tokens(out.token_ids):
                 log.warning("request %d left its grammar: %s", out.handle, matcher.get_error())

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -29,7 +29,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         from laneserve.structured.grammar import check
 
-        set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise ValueError(
                 "structured_outputs: set exactly one of json, json_object, regex, choice, "
@@ -44,7 +44,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     @property
     def kind(self) -> str:
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
 
 def _check_types(p: StructuredOutputsParams) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from laneserve.structured.params import StructuredOutputsParams
+from laneserve.structured.params import KINDS, StructuredOutputsParams
 
 GUIDED = {
     "guided_json": "json",
@@ -30,35 +30,39 @@ def from_request(
     structured_outputs: dict[str, Any] | None,
     guided: dict[str, Any],
 ) -> StructuredOutputsParams | None:
-    """`guided` maps the guided_* fields the request sent to their values."""
-    found: list[tuple[str, StructuredOutputsParams]] = []
+    """`guided` maps the guided_* fields the request sent to their values.
+
+    As in vLLM, `response_format` fills in an options-only `structured_outputs`
+    object (e.g. `{"disable_any_whitespace": true}`)."""
+    if not isinstance(structured_outputs or {}, dict):
+        raise ValueError("structured_outputs must be an object")
+    fields = dict(structured_outputs or {})
+    asked = ["structured_outputs"] if any(fields.get(k) is not None for k in KINDS) else []
     if response_format is not None and response_format.get("type") != "text":
-        found.append(("response_format", _response_format(response_format)))
-    if structured_outputs:
-        found.append(("structured_outputs", _build(structured_outputs, "structured_outputs")))
+        asked.append("response_format")
+        fields.update(_response_format(response_format))
     kw = {GUIDED[k]: v for k, v in guided.items() if k in GUIDED and v is not None}
     if kw:
+        asked.append("guided_*")
+        fields.update(kw)
         if guided.get("guided_whitespace_pattern") is not None:
-            kw["whitespace_pattern"] = guided["guided_whitespace_pattern"]
-        found.append(("guided_*", _build(kw, "guided_*")))
-    if len(found) > 1:
-        names = " and ".join(name for name, _ in found)
-        raise ValueError(f"{names}: a request may ask for one kind of structured output")
-    return found[0][1] if found else None
+            fields["whitespace_pattern"] = guided["guided_whitespace_pattern"]
+    if len(asked) > 1:
+        raise ValueError(
+            f"{' and '.join(asked)}: a request may ask for one kind of structured output"
+        )
+    return _build(fields, asked[0] if asked else "structured_outputs") if fields else None
 
 
-def _response_format(rf: dict[str, Any]) -> StructuredOutputsParams:
+def _response_format(rf: dict[str, Any]) -> dict[str, Any]:
     kind = rf.get("type")
     if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        return {"json_object": True}
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise ValueError("response_format: json_schema needs a `schema` object")
-        try:
-            return StructuredOutputsParams(json=spec["schema"])
-        except ValueError as e:
-            raise ValueError(f"response_format: {e}") from None
+        return {"json": spec["schema"]}
     raise ValueError(
         f"response_format: type must be text, json_object or json_schema, got {kind!r}"
     )
@@ -70,4 +74,8 @@ def _build(kw: dict[str, Any], field: str) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**kw)
     except TypeError as e:  # an unknown or mistyped key
+        raise ValueError(f"{field}: {e}") from None
+    except ValueError as e:
+        if field == "structured_outputs":
+            raise
         raise ValueError(f"{field}: {e}") from None

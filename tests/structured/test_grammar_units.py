@@ -58,6 +58,8 @@ def test_request_fields_translate() -> None:
     assert from_request({"type": "json_object"}, None, {}) == S(json_object=True)
     assert from_request({"type": "text"}, None, {}) is None
     assert from_request(None, {"regex": "a+"}, {}) == S(regex="a+")
+    options = {"disable_any_whitespace": True}  # vLLM: response_format fills these in
+    assert from_request(rf, options, {}) == S(json=schema, disable_any_whitespace=True)
     assert from_request(None, None, {"guided_choice": ["a"], "guided_json": None}) == S(
         choice=["a"]
     )
@@ -67,6 +69,8 @@ def test_request_fields_translate() -> None:
         ((None, {"regex": "a", "bogus": 1}, {}), "structured_outputs"),
         (({"type": "json_object"}, {"regex": "a"}, {}), "one kind"),
         ((None, None, {"guided_regex": "(("}), "invalid regex"),
+        ((None, {"disable_any_whitespace": True}, {}), "exactly one"),
+        ((None, {"choice": []}, {}), "non-empty"),
     ]:
         with pytest.raises(ValueError, match=re.escape(fragment)):
             from_request(*bad)
