@@ -182,7 +182,8 @@ def test_parse_on_the_default_model() -> None:
         ]:
             out = c.chat.completions.parse(
                 model="smol", messages=[{"role": "user", "content": question}],
-                response_format=model, max_tokens=120, temperature=0,
+                response_format=model, max_tokens=200, temperature=0,
+                extra_body={"structured_outputs": COMPACT},
             )  # fmt: skip
             assert isinstance(out.choices[0].message.parsed, model), out.choices[0].message
     finally:
