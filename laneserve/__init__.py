@@ -2,7 +2,14 @@
 
 from laneserve.frontend.llm import LLM
 from laneserve.outputs import CompletionOutput, RequestOutput
-from laneserve.sampling_params import SamplingParams
+from laneserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]

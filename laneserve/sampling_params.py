@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import msgspec
 
+from laneserve.structured.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
+
 _MAX_LOGPROBS = 20
 _MAX_BIAS = 100.0  # OpenAI's range for logit_bias values
 # NOTE: the params cross to the worker as msgpack (64-bit integers) and land in
@@ -50,6 +54,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # the output must match a JSON schema / regex / choice / grammar (laneserve/structured)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

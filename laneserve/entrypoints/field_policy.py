@@ -2,7 +2,7 @@
 
 Nothing is ignored silently: a field that would change what is generated and that
 laneserve does not implement is a 400 naming it, unless it carries the value that
-means "off" (e.g. `response_format: {"type": "text"}`, `tool_choice: "none"`).
+means "off" (e.g. `tool_choice: "none"`, `prediction: null`).
 Fields that have no effect on generation (bookkeeping the `openai` client and
 others send) are accepted and ignored. Anything else, unknown fields included,
 is rejected: a typo must not pass for a setting. docs/compatibility.md lists
@@ -33,10 +33,6 @@ def _off(value: object) -> bool:
     return value is None or value is False or value in ("", [], {})
 
 
-def _text_format(value: object) -> bool:
-    return _off(value) or value == {"type": "text"}
-
-
 def _text_modalities(value: object) -> bool:
     return _off(value) or value == ["text"]
 
@@ -48,17 +44,10 @@ def _no_tool_choice(value: object) -> bool:
 # implemented nowhere yet: accepted only with the value that turns them off
 NEUTRAL: dict[str, Callable[[object], bool]] = {
     "suffix": _off,
-    "response_format": _text_format,
     "tool_choice": _no_tool_choice,
     "function_call": _no_tool_choice,
     "functions": _off,
-    "guided_json": _off,
-    "guided_regex": _off,
-    "guided_choice": _off,
-    "guided_grammar": _off,
     "guided_decoding_backend": _off,
-    "guided_whitespace_pattern": _off,
-    "structured_outputs": _off,
     "prompt_logprobs": _off,
     "use_beam_search": _off,
     "modalities": _text_modalities,

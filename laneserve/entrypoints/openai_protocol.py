@@ -25,6 +25,8 @@ from pydantic import (
 
 from laneserve.entrypoints.field_policy import unsupported_field
 from laneserve.sampling_params import SamplingParams, is_valid_utf8
+from laneserve.structured.params import StructuredOutputsParams
+from laneserve.structured.request_fields import from_request
 
 
 def _utf8(text: str) -> str:
@@ -64,6 +66,14 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI: token ids as strings
+    # structured output (laneserve/structured/request_fields.py)
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
@@ -82,6 +92,7 @@ class _Common(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": self._token_bias(),
+            "structured_outputs": self.structured(),
         }
         optional = {
             "temperature": self.temperature,
@@ -95,6 +106,17 @@ class _Common(BaseModel):
         kw.update({k: v for k, v in defaults.items() if k in optional and optional[k] is None})
         kw.update({k: v for k, v in optional.items() if v is not None})
         return SamplingParams(**kw)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint the request asks for (ValueError: a 400)."""
+        guided = {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+            "guided_whitespace_pattern": self.guided_whitespace_pattern,
+        }
+        return from_request(self.response_format, self.structured_outputs, guided)
 
     def _token_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:

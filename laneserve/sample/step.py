@@ -15,9 +15,9 @@ Every path gives each sampling row accepted + 1 tokens (see rejection_sampler.py
 the vocabulary). Logprobs are of the raw logits, taken before any processing.
 
 Structured output plugs in at the top of `sample_step`: a grammar's token bitmask
-masks every logits row (each of a speculative row's 1 + k, and its alternatives'
-rows) before any path runs, so the fused greedy paths stay valid (they only take
-argmaxes of the logits they are given).
+masks every main logits row (each of a speculative row's 1 + k) before any path
+runs, so the fused greedy paths stay valid (they only take argmaxes of the logits
+they are given). Rows under a grammar never carry alternatives (no token tree).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 
 from laneserve.sample import rejection_sampler, sampler
 from laneserve.sample.sampler import SamplingBatch
+from laneserve.structured.bitmask import apply_bitmask
 
 
 class VerifyKernels(Protocol):
@@ -94,16 +95,19 @@ def sample_step(
     history: torch.Tensor,  # [S, L] token history per state slot (penalties)
     drafts: Drafts | None = None,
     tree: TreeRows | None = None,
+    bitmask: torch.Tensor | None = None,  # [N, ceil(V / 32)] int32 grammar masks
 ) -> SampledStep:
     """Sample, or verify drafts (and alternatives), for every sampling row of a step.
     NOTE: the main logits rows are processed in place."""
-    if tree is not None:
+    if tree is not None and bitmask is None:
         assert drafts is not None, "alternatives come only with drafts"
         if _fused_tree(batch, drafts, tree):
             return _verify_tree_greedy(kernels, logits, drafts, tree)
     n = rows.token_idx.shape[0]
     main, alt_logits = logits[:n], logits[n:]
     raw = main.clone() if batch.max_logprobs >= 0 else main
+    if bitmask is not None:  # NOTE: grammar rows carry no alternatives (step_inputs.py)
+        apply_bitmask(main, bitmask)
     if drafts is None:
         tokens, accepted = _sample_plain(main, batch, rows, positions, history)
     elif _greedy_dense(batch, drafts):

@@ -30,6 +30,7 @@ from laneserve.protocol import RequestError, RequestOutput, StepResult, TokenLog
 from laneserve.sample.step import Drafts, SampledStep, TreeRows, sample_step
 from laneserve.spec_decode.base import Proposer, StepView
 from laneserve.spec_decode.proposers import MtpProposer
+from laneserve.structured.matchers import GrammarBook, MaskRow
 from laneserve.worker import prompt_logprobs, side_rows
 from laneserve.worker.input_batch import SlotTable
 from laneserve.worker.kv_cache import KvCache
@@ -104,6 +105,7 @@ class ModelRunner:
         vocab_size: int,
         proposer: Proposer | None = None,
         side_width: int = 0,  # alternatives per speculative row (token tree)
+        grammars: GrammarBook | None = None,  # structured output's matchers
     ) -> None:
         self.model = model
         self.kv_caches = kv.layers  # per group, per layer: (K, V) or (latent,)
@@ -112,6 +114,7 @@ class ModelRunner:
         self.device = device
         self.vocab_size = vocab_size
         self.proposer = proposer
+        self.grammars = grammars
         self.mtp_group = kv.group_index("mtp") if isinstance(proposer, MtpProposer) else None
         self.kv_stacks: list[KvStack] = kv.stacks  # per group: the layers' caches stacked
         self.max_spec = max_spec
@@ -152,6 +155,7 @@ class ModelRunner:
                 self.state.history,
                 drafts,
                 self._tree(inp, fwd),
+                self._grammar_mask(inp, drafts),
             )
             self._commit_side(inp, fwd, sampled)
             self._commit(inp, sampled.tokens, sampled.num_accepted + 1)
@@ -273,6 +277,28 @@ class ModelRunner:
         num_valid = torch.minimum(self.state.num_drafts.index_select(0, slots), inp.spec.num_spec)
         tokens = self.state.drafts.index_select(0, slots)[:, : inp.spec.max_spec]
         return Drafts(tokens, num_valid, inp.spec.dense)
+
+    def _grammar_mask(self, inp: StepInputs, drafts: Drafts | None) -> torch.Tensor | None:
+        """[N, ceil(V / 32)] the grammar rows' token bitmask (None: no grammar rows).
+        NOTE: waits for the previous step's commits (structured/fence.py); with drafts it
+        reads the grammar rows' drafts to the host (a sync, only in steps with grammars)."""
+        handles = [r.handle for r in inp.rows if r.sample]
+        if self.grammars is None or not self.grammars.constrains(handles):
+            return None
+        rows = inp.sample_rows
+        first = {}
+        for n, i in enumerate(rows.row_host):
+            first.setdefault(i, n)
+        want = [i for i, h in enumerate(handles) if self.grammars.constrains([h])]
+        mask_rows = [MaskRow(handles[i], first[i]) for i in want]
+        if drafts is not None:
+            idx = torch.tensor(want, device=self.device)
+            tokens = drafts.tokens.index_select(0, idx).tolist()
+            valid = drafts.num_valid.index_select(0, idx).tolist()
+            for r, toks, k in zip(mask_rows, tokens, valid, strict=True):
+                r.drafts = toks[:k]
+        mask = self.grammars.bitmask(mask_rows, len(rows.row_host))
+        return mask.to(self.device, non_blocking=True)
 
     def _tree(self, inp: StepInputs, fwd: _Forward) -> TreeRows | None:
         si, side = inp.spec.side, fwd.side

@@ -349,12 +349,15 @@ def _side_inputs(
     dev: _Uploader,
 ) -> SideInputs | None:
     """Side rows for speculative decodes without logprobs (a position-1 logprob would
-    have to come from the alternative's row); None when the step has none."""
+    have to come from the alternative's row) nor a grammar; None when the step has none."""
     sched, reqs, width = plan.sched, plan.reqs, layout.side_width
     side = [
         (r, i)
         for i, r in enumerate(plan.sample)
-        if sched[r].decode and sched[r].num_spec and reqs[r].params.logprobs is None
+        if sched[r].decode
+        and sched[r].num_spec
+        and reqs[r].params.logprobs is None
+        and reqs[r].params.structured_outputs is None  # masks cover the main rows only
     ]
     if not side:
         return None

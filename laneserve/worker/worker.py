@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -35,6 +36,7 @@ from laneserve.protocol import (
     WorkerReady,
 )
 from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
+from laneserve.structured.matchers import GrammarBook
 from laneserve.worker.failures import StepFailure, failed_result, handles_of, salvage
 from laneserve.worker.input_batch import InputSlot, RequestTable
 from laneserve.worker.kv_cache import KvCache, num_blocks_for
@@ -99,6 +101,11 @@ class Worker:
         self.table = RequestTable(
             len(self.groups), self.block_size, self.device, self.max_model_len
         )
+        self.grammars = GrammarBook(
+            Path(config.model.tokenizer or self.ckpt.directory) / "tokenizer.json",
+            arch.vocab_size,
+            list(arch.eos_token_ids),
+        )
         self.runner = ModelRunner(
             self.model,
             self.kv,
@@ -110,6 +117,7 @@ class Worker:
             arch.vocab_size,
             proposer=self._proposer(),
             side_width=self.side_width,
+            grammars=self.grammars,
         )
         sched = config.scheduler
         max_rows = sched.max_num_seqs
@@ -234,6 +242,8 @@ class Worker:
             prompts = []
             for new in cmd.new_requests:
                 req = self.table.register(new)
+                if new.sampling_params.structured_outputs is not None:
+                    self.grammars.add(new.handle, new.sampling_params.structured_outputs)
                 ids = torch.tensor(new.prompt_token_ids, dtype=torch.int64).to(self.device)
                 prompts.append((req.slot, ids))
             return PendingStep(cmd, prompts)
@@ -254,6 +264,7 @@ class Worker:
         with self.tracer.span("prepare", step=cmd.step_id):
             # NOTE: first, so a failure below still releases them (device lane).
             pending.releases = self.table.pop_finished(cmd.finished)
+            self.grammars.drop(cmd.finished)
             for handle in cmd.preempted:
                 self.table.preempt(handle)
             for s in cmd.scheduled:
@@ -275,6 +286,8 @@ class Worker:
         except Exception as e:
             log.exception("release failed for step %d", staged.step_id)
             return StepFailure(staged.step_id, handles_of(staged), f"release failed: {e}")
+        finally:
+            self.grammars.fence.handed_on()  # NOTE: every step, so that reclaim pairs up
         return out
 
     def _execute(self, inp: StepInputs) -> DeviceOutputs | StepFailure:
@@ -293,12 +306,20 @@ class Worker:
 
     def reclaim(self, staged: DeviceOutputs | StepFailure) -> StepResult:
         """The step's result: its tokens (device->host copy), or its errors."""
+        try:
+            return self._reclaim(staged)
+        finally:
+            self.grammars.fence.reclaimed()
+
+    def _reclaim(self, staged: DeviceOutputs | StepFailure) -> StepResult:
         if isinstance(staged, StepFailure):
             return failed_result(staged)
         step_id = staged.inputs.step_id
         try:
             with self.tracer.span("reclaim", step=step_id):
-                return self.runner.reclaim(staged)
+                result = self.runner.reclaim(staged)
+                self.grammars.commit(result.outputs)  # NOTE: before the fence opens
+                return result
         except Exception as e:
             log.exception("reclaim failed for step %d", step_id)
             return failed_result(

@@ -28,8 +28,8 @@ def test_each_neutral_field_passes_off_and_fails_on(name: str) -> None:
         ({"tools": [{}]}, 1, False),
         ({"tools": [{}], "tool_choice": "none"}, 1, True),
         ({"tools": []}, 1, True),
-        ({"response_format": {"type": "text"}}, 1, True),
-        ({"response_format": {"type": "json_schema"}}, 1, False),
+        ({"prediction": None}, 1, True),
+        ({"prediction": {"type": "content"}}, 1, False),
         ({"modalities": ["text"]}, 1, True),
         ({"modalities": ["text", "audio"]}, 1, False),
         ({"whatever": None}, 1, False),  # unknown: rejected even when null

@@ -15,6 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -29,6 +30,7 @@ from laneserve.protocol import (
     StepResult,
 )
 from laneserve.sampling_params import SamplingParams
+from laneserve.structured.matchers import GrammarBook
 from laneserve.worker.input_batch import InputSlot
 from laneserve.worker.lanes import Lanes
 from laneserve.worker.worker import PendingStep, Worker
@@ -128,6 +130,7 @@ class FakeWorker(Worker):
 
     def __init__(self, async_prepare: bool = True, fail_execute: frozenset[int] = frozenset()):
         self.tracer = Tracer(None)
+        self.grammars = GrammarBook(Path("unused"), 8, [0])  # no structured requests here
         self.input_slots = [InputSlot(i, 8, 8) for i in range(2)]
         self.supports_async_prepare = async_prepare
         self.table = FakeTable()
