@@ -14,6 +14,8 @@ import llguidance
 from llguidance import LLMatcher
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
     from laneserve.structured.params import StructuredOutputsParams
 
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
@@ -56,8 +58,8 @@ def _parse_schema(text: str) -> dict[str, Any]:
     return schema
 
 
-def _json_options(p: StructuredOutputsParams) -> dict[str, Any]:
-    options: dict[str, Any] = {"whitespace_flexible": not p.disable_any_whitespace}
+def _json_options(p: StructuredOutputsParams) -> JsonCompileOptions:
+    options: JsonCompileOptions = {"whitespace_flexible": not p.disable_any_whitespace}
     if p.whitespace_pattern is not None:
         options["whitespace_pattern"] = p.whitespace_pattern
     return options
