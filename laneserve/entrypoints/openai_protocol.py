@@ -10,7 +10,7 @@ max_model_len, --max-n) by the server.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, cast
 
 import msgspec
 from pydantic import (
@@ -80,7 +80,7 @@ class _Common(BaseModel):
     ) -> SamplingParams:
         """`defaults`: values for the fields the request leaves unset (--generation-config)."""
         defaults = defaults or {}
-        kw = {
+        kw: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens if max_tokens is not None else defaults.get("max_tokens"),
             "logprobs": logprobs,
@@ -166,9 +166,11 @@ class CompletionRequest(_Common):
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
-        if isinstance(p, str) or all(isinstance(x, int) for x in p):
+        if isinstance(p, str):
             return [p]
-        return list(p)
+        if all(isinstance(x, int) for x in p):
+            return [cast(list[int], p)]
+        return cast(list[str | list[int]], list(p))
 
 
 class ChatMessage(BaseModel):

@@ -72,9 +72,12 @@ class SamplingBatch:
         def sel(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.index_select(0, index)
 
+        def rows_of(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, index)
+
         return SamplingBatch(
-            temperature=sel(self.temperature),
-            greedy=sel(self.greedy),
+            temperature=rows_of(self.temperature),
+            greedy=rows_of(self.greedy),
             all_greedy=self.all_greedy,
             any_greedy=self.any_greedy,
             top_k=sel(self.top_k),
@@ -84,7 +87,7 @@ class SamplingBatch:
             shared_generator=self.shared_generator,
             penalties=None,  # NOTE: requests with penalties are never speculative
             logit_bias=None,  # nor those with a logit_bias
-            prompt_len=sel(self.prompt_len),
+            prompt_len=rows_of(self.prompt_len),
             min_tokens=sel(self.min_tokens),
             banned_until_min=sel(self.banned_until_min),
             max_logprobs=self.max_logprobs,
@@ -211,6 +214,7 @@ def apply_min_tokens(
         return
     active = (num_output < batch.min_tokens)[:, None]  # [R, 1]
     ban = batch.banned_until_min
+    assert ban is not None, "min_tokens rows always carry their banned ids"
     mask = torch.zeros_like(logits, dtype=torch.bool)
     mask.scatter_(1, ban.clamp(min=0), active & (ban >= 0))
     logits.masked_fill_(mask, _NEG_INF)
@@ -232,7 +236,7 @@ def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  
 
 
 def exponential_noise(
-    batch: SamplingBatch, shape: tuple[int, int], device: torch.device
+    batch: SamplingBatch, shape: tuple[int, ...], device: torch.device
 ) -> torch.Tensor:
     """E ~ Exp(1) per row; seeded rows draw from their own generator."""
     q = torch.empty(shape, device=device)
