@@ -69,14 +69,15 @@ class MtpHead:
         hidden: torch.Tensor,  # [T, H] target (or previous MTP) normed hidden at i
         positions: torch.Tensor,  # [T] i
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],  # its group's (K, V)
     ) -> torch.Tensor:  # [T, H] normed MTP output (feeds the head and the next depth)
+        k_cache, v_cache = kv_cache
         e = self.enorm(self.base.embed(next_tokens))
         h = self.hnorm(hidden)
         x = self.eh_proj(torch.cat([e, h], dim=-1))
         residual = x
         y = self.layer.input_norm(x)
-        y = self.layer(positions, y, residual, kv_cache, meta)
+        y = self.layer(positions, y, residual, (k_cache, v_cache), meta)
         self.norm.add_(y, residual)  # y = norm(residual + mlp_out)
         return y
 

@@ -36,7 +36,7 @@ class MtpProposer:
         self,
         head: MtpHead,
         k: int,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],  # (K, V), or (latent,) for MLA
         block_size: int,
         alternatives: int = 0,  # token tree: the head's next-best tokens for the first draft
         lookup: NgramProposer | None = None,  # ngram_first: lookup drafts win where found

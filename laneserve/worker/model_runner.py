@@ -241,12 +241,13 @@ class ModelRunner:
     ) -> _Forward:
         """The target's forward over the step's tokens, and its side rows if any."""
         if inp.spec.side is None:
-            if getattr(self.model, "reads_all_cache_groups", False):
+            if isinstance(self.model, DeepseekV4Model):  # it reads every cache group
                 grouped = self._all_groups(inp)
                 hidden, _ = self.model.forward(ids, positions, grouped, self.kv_caches)
                 return _Forward(hidden)
             hidden, _ = self.model.forward(ids, positions, meta, self.kv_caches[0])
             return _Forward(hidden)
+        assert not isinstance(self.model, DeepseekV4Model), "V4 takes no token-tree rows"
         side, ids_all, pos_all, meta_all = side_rows.plan(
             inp.spec.side, self.state.side_drafts, ids, positions, meta
         )
@@ -265,7 +266,7 @@ class ModelRunner:
     def _logits(self, inp: StepInputs, fwd: _Forward) -> torch.Tensor:
         """[N + Ra * W, V]: the sampling rows' logits rows, then the side rows."""
         rows = fwd.hidden.index_select(0, inp.sample_rows.token_idx)
-        if fwd.side is not None:  # NOTE: one LM-head pass for all rows (it streams the weight)
+        if fwd.side_hidden is not None:  # NOTE: one LM-head pass for all rows (streams the weight)
             rows = torch.cat([rows, fwd.side_hidden])
         return self.model.compute_logits(rows)
 
@@ -286,7 +287,7 @@ class ModelRunner:
         if self.grammars is None or not self.grammars.constrains(handles):
             return None
         rows = inp.sample_rows
-        first = {}
+        first: dict[int, int] = {}
         for n, i in enumerate(rows.row_host):
             first.setdefault(i, n)
         want = [i for i, h in enumerate(handles) if self.grammars.constrains([h])]
@@ -312,6 +313,7 @@ class ModelRunner:
             return
         assert inp.spec.side is not None and self.kv_stacks is not None
         assert sampled.tree_hit is not None and sampled.tree_choice is not None
+        assert fwd.side_hidden is not None
         side_rows.commit(
             self.model.kernels,
             self.kv_stacks[0],
@@ -342,6 +344,7 @@ class ModelRunner:
         accepted: torch.Tensor | None,
     ) -> None:
         st, sr = self.state, inp.sample_rows
+        assert self.proposer is not None
         # t[i+1] for every position i: the committed history (accepted tokens
         # and this step's samples are already in it).
         next_tokens = st.history[inp.per_token.slot, (positions + 1).clamp(max=st.width - 1)]
@@ -369,6 +372,7 @@ class ModelRunner:
 
     def _sampled_outputs(self, out: DeviceOutputs) -> list[RequestOutput]:
         inp = out.inputs
+        assert out.tokens is not None and out.num_emitted is not None
         tokens = out.tokens.tolist()
         emitted = out.num_emitted.tolist()
         lp = _logprobs_lists(out) if out.logprobs is not None else None
@@ -396,6 +400,7 @@ def _outputs(inp: StepInputs, sampled: SampledStep | None, drafts: Drafts | None
 
 def _logprobs_lists(out: DeviceOutputs) -> dict[tuple[int, int], TokenLogprobs]:
     rows = out.inputs.sample_rows
+    assert out.logprobs is not None and out.tokens is not None
     chosen, rank, top_ids, top_lp = (t.tolist() for t in out.logprobs)
     tokens = out.tokens.tolist()
     offs = rows.offset.tolist()

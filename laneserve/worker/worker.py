@@ -162,7 +162,7 @@ class Worker:
         if spec.method == "ngram":
             return lookup
         mtp_group = self.kv.group_index("mtp")
-        assert mtp_group is not None
+        assert mtp_group is not None and self.mtp is not None
         return MtpProposer(
             self.mtp,
             spec.depth,
@@ -228,6 +228,7 @@ class Worker:
         try:
             cmd = item if isinstance(item, StepCommand) else protocol.decode_command(item)
         except Exception as e:
+            assert isinstance(item, bytes), "only an encoded command fails to decode"
             step_id, handles = salvage(item)
             log.warning("malformed step command %s: %s", step_id, e)
             return StepFailure(step_id, handles, f"malformed step command: {e}")
@@ -331,9 +332,12 @@ class Worker:
 
     def run_step(self, item: StepCommand | bytes) -> StepResult:
         """All four stages in this thread (the synchronous path)."""
-        staged = self.command(item)
-        if not isinstance(staged, StepFailure):
-            staged = self.prepare(staged, self.input_slots[0])
+        pending = self.command(item)
+        staged = (
+            pending
+            if isinstance(pending, StepFailure)
+            else self.prepare(pending, self.input_slots[0])
+        )
         return self.reclaim(self.device_step(staged))
 
 
