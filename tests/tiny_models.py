@@ -52,7 +52,9 @@ def build_tokenizer(out: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(out))
 
 
-def build_tiny_model(out: Path, family: str, *, seed: int = 0, tie: bool = False) -> Path:
+def build_tiny_model(
+    out: Path, family: str, *, seed: int = 0, tie: bool = False, max_positions: int = 512
+) -> Path:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -73,7 +75,7 @@ def build_tiny_model(out: Path, family: str, *, seed: int = 0, tie: bool = False
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tie,
         initializer_range=0.15,

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -36,6 +37,7 @@ from laneserve.frontend.async_llm import AsyncLLM, EngineStoppedError
 from laneserve.frontend.output_processor import Delta
 from laneserve.obs.metrics import RequestTimes, ServerMetrics
 from laneserve.sampling_params import SamplingParams
+from laneserve.tool_calls.choice import ToolPlan
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class ServerState:
     draining: bool = False  # shutting down: health is 503, new requests too
     aliases: list[str] = field(default_factory=list)  # more served names of the model
     trust_request_chat_template: bool = False  # a request may bring its own template
+    tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice
     metrics: ServerMetrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -113,12 +116,17 @@ def build_app(state: ServerState) -> FastAPI:
             )
         engine = _engine(state)
         try:
+            tools = body.tool_plan(state.tool_parser)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        try:
             ids = engine.tokenizer.apply_chat_template(
                 body.chat_messages(),
                 body.add_generation_prompt and not body.continue_final_message,
                 chat_template=body.chat_template,
                 chat_template_kwargs=body.chat_template_kwargs,
                 continue_final_message=body.continue_final_message,
+                tools=body.template_tools(),
             )
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="messages") from None
@@ -128,7 +136,12 @@ def build_app(state: ServerState) -> FastAPI:
                 body.max_new_tokens(), body.num_logprobs(), engine.sampling_defaults
             )
         )
-        return await _serve(state, request, "chatcmpl", body, prompts, params, chat=True)
+        if tools is not None and tools.parser is not None and tools.parser.special_markers:
+            # NOTE: the parser reads marker tokens that are special in the vocabulary
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
+        return await _serve(
+            state, request, "chatcmpl", body, prompts, params, chat=True, tools=tools
+        )
 
     return app
 
@@ -225,6 +238,7 @@ async def _serve(
     prompts: list[tuple[list[int], str | None]],
     params: SamplingParams,
     chat: bool,
+    tools: ToolPlan | None = None,
 ) -> Response:
     engine = _engine(state)
     _check_limits(state, engine, params, len(prompts))
@@ -236,7 +250,15 @@ async def _serve(
         _check_context(engine, ids, params, chat)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ctx = R.Context(
-        rid, state.model_name, int(time.time()), chat, body, prompts, params.n, engine.tokenizer
+        rid,
+        state.model_name,
+        int(time.time()),
+        chat,
+        body,
+        prompts,
+        params.n,
+        engine.tokenizer,
+        tools,
     )
     streams = await _admit(state, rid, prompts, params)
     if body.stream:

@@ -2,7 +2,7 @@
 
 Nothing is ignored silently: a field that would change what is generated and that
 laneserve does not implement is a 400 naming it, unless it carries the value that
-means "off" (e.g. `tool_choice: "none"`, `prediction: null`).
+means "off" (e.g. `function_call: "none"`, `prediction: null`).
 Fields that have no effect on generation (bookkeeping the `openai` client and
 others send) are accepted and ignored. Anything else, unknown fields included,
 is rejected: a typo must not pass for a setting. docs/compatibility.md lists
@@ -20,7 +20,6 @@ IGNORED = frozenset(
         "metadata",
         "store",
         "service_tier",
-        "parallel_tool_calls",  # only meaningful with tools, which are not served
         "prompt_cache_key",  # a routing hint; the prefix cache works without it
         "safety_identifier",
         "request_id",
@@ -44,7 +43,6 @@ def _no_tool_choice(value: object) -> bool:
 # implemented nowhere yet: accepted only with the value that turns them off
 NEUTRAL: dict[str, Callable[[object], bool]] = {
     "suffix": _off,
-    "tool_choice": _no_tool_choice,
     "function_call": _no_tool_choice,
     "functions": _off,
     "guided_decoding_backend": _off,
@@ -71,19 +69,15 @@ def unsupported_field(fields: dict[str, object], n: int) -> tuple[str, str] | No
     for name, value in fields.items():
         if name in IGNORED:
             continue
-        problem = _problem(name, value, fields, n)
+        problem = _problem(name, value, n)
         if problem is not None:
             return name, f"{name}: {problem}"
     return None
 
 
-def _problem(name: str, value: object, fields: dict[str, object], n: int) -> str | None:
+def _problem(name: str, value: object, n: int) -> str | None:
     if name == "best_of":
         return _best_of(value, n)
-    if name == "tools":
-        if _off(value) or _no_tool_choice(fields.get("tool_choice", "auto")):
-            return None  # NOTE: with tool_choice "none" no tool may be called: nothing to do
-        return "tool calling is not supported by laneserve (only tool_choice: none)"
     check = NEUTRAL.get(name)
     if check is None:
         return "unknown field; laneserve does not support it (see docs/compatibility.md)"

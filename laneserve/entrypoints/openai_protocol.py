@@ -10,6 +10,7 @@ max_model_len, --max-n) by the server.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, cast
 
 import msgspec
@@ -25,8 +26,9 @@ from pydantic import (
 
 from laneserve.entrypoints.field_policy import unsupported_field
 from laneserve.sampling_params import SamplingParams, is_valid_utf8
-from laneserve.structured.params import StructuredOutputsParams
+from laneserve.structured.params import KINDS, StructuredOutputsParams
 from laneserve.structured.request_fields import from_request
+from laneserve.tool_calls.choice import ToolPlan, forced_schema, plan
 
 
 def _utf8(text: str) -> str:
@@ -40,6 +42,9 @@ Text = Annotated[str, AfterValidator(_utf8)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class _Common(BaseModel):
@@ -173,11 +178,85 @@ class CompletionRequest(_Common):
         return cast(list[str | list[int]], list(p))
 
 
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ToolName
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema
+    # NOTE: enforced under tool_choice "required" / named (the grammar); "auto" parses only
+    strict: StrictBool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ToolName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    name: Text
+    arguments: Text  # JSON text, as the API returned it
+
+
+class MessageToolCall(BaseModel):
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def for_template(self) -> dict:
+        """As chat templates read it: the arguments as an object where they parse."""
+        args: object = self.function.arguments
+        try:
+            parsed = json.loads(self.function.arguments)
+            args = parsed if isinstance(parsed, dict) else args
+        except json.JSONDecodeError:
+            pass
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.function.name, "arguments": args},
+        }
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[dict] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+    name: Text | None = None
+
+    def for_template(self) -> dict:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls (got {self.role})")
+        out: dict = {"role": "system" if self.role == "developer" else self.role}
+        out["content"] = self.text()
+        if self.tool_calls:
+            out["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         """The content as one string; ValueError for non-text or invalid parts."""
@@ -203,13 +282,61 @@ class ChatCompletionRequest(_Common):
     continue_final_message: StrictBool = False
     chat_template: Text | None = None
     chat_template_kwargs: dict | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     def chat_messages(self) -> list[dict]:
-        out = []
-        for m in self.messages:
-            role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text()})
-        return out
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates read them (OpenAI's shape)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def _functions(self) -> list[dict]:
+        return [
+            {"name": t.function.name, "parameters": t.function.parameters} for t in self.tools or []
+        ]
+
+    def _choice(self) -> object:
+        c = self.tool_choice
+        return c.model_dump() if isinstance(c, NamedToolChoice) else c
+
+    def tool_plan(self, parser: str | None) -> ToolPlan | None:
+        """How the answer's tool calls are read (ValueError: a 400); `parser`: the
+        server's auto tool-choice parser, if enabled."""
+        return plan(
+            self._functions() or None, self._choice(), self.parallel_tool_calls is not False, parser
+        )
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """A "required" or named tool choice is an output constraint of its own."""
+        tools = self._functions()
+        schema = (
+            forced_schema(tools, self._choice(), self.parallel_tool_calls is not False)
+            if tools
+            else None
+        )
+        if schema is None:
+            return super().structured()
+        so = dict(self.structured_outputs or {})
+        others = any(so.get(k) is not None for k in KINDS) or any(
+            getattr(self, f) is not None for f in GUIDED_FIELDS
+        )
+        if others or (self.response_format or {}).get("type", "text") != "text":
+            raise ValueError(
+                "tool_choice: a required or named tool choice cannot be combined with "
+                "response_format, structured_outputs or guided_* fields"
+            )
+        options = {k: so[k] for k in ("disable_any_whitespace", "whitespace_pattern") if k in so}
+        try:
+            return StructuredOutputsParams(json=schema, **options)
+        except ValueError as e:
+            raise ValueError(
+                f"tools: the function parameters are not a usable JSON schema: {e}"
+            ) from None
 
     def max_new_tokens(self) -> int | None:
         return (

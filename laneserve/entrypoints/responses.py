@@ -9,6 +9,8 @@ from typing import Protocol
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from laneserve.frontend.output_processor import Delta
 from laneserve.outputs import Logprob
+from laneserve.tool_calls.choice import ToolPlan
+from laneserve.tool_calls.stream import CallDelta, delta_body, extract
 
 
 class TokenText(Protocol):
@@ -25,6 +27,7 @@ class Context:
     prompts: list[tuple[list[int], str | None]]
     n: int
     tokenizer: TokenText | None = None  # echoed prompt tokens without a logprob entry
+    tools: ToolPlan | None = None  # chat with tools: how tool calls are read back
 
     @property
     def object_name(self) -> str:
@@ -55,6 +58,9 @@ class Accumulator:
         self.echo = bool(getattr(ctx.body, "echo", False))
         self.num_logprobs = _requested_logprobs(ctx)
         self.prompt_only = bool(getattr(ctx.body, "prompt_only", False))
+        plan = ctx.tools
+        self.tool_streams = {i: plan.stream() for i in self.choices} if plan else {}
+        self.called: set[int] = set()  # choices that streamed a tool call
 
     def _choice(self, prompt_index: int, d: Delta) -> Choice:
         return self.choices[prompt_index * self.ctx.n + d.state.index]
@@ -92,11 +98,19 @@ class Accumulator:
             entries = c.prompt_logprobs + entries
         lp = self._logprobs(entries, c.index) if self.num_logprobs is not None else None
         if self.ctx.chat:
+            message: dict = {"role": "assistant", "content": c.text}
+            reason = _reason(c.finish_reason)
+            if self.ctx.tools is not None:
+                found = extract(self.ctx.tools.stream(), c.text)
+                message["content"] = found.content
+                if found.calls:
+                    message["tool_calls"] = found.calls
+                reason = self.ctx.tools.finish_reason(reason, bool(found.calls))
             return {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": lp,
-                "finish_reason": _reason(c.finish_reason),
+                "finish_reason": reason,
             }
         prompt_text = self._prompt_text(c.index) if self.echo else ""
         return {
@@ -136,6 +150,8 @@ class Accumulator:
             return []
         lp = self._logprobs(list(d.logprobs), c.index) if self.num_logprobs is not None else None
         reason = _reason(c.finish_reason) if d.finished else None
+        if c.index in self.tool_streams:
+            return self._tool_chunks(c.index, d, lp, reason)
         if self.ctx.chat:
             return [
                 self._chunk(
@@ -143,6 +159,35 @@ class Accumulator:
                 )
             ]
         return [self._chunk(c.index, {"text": d.text, "logprobs": lp, "finish_reason": reason})]
+
+    def _tool_chunks(self, index: int, d: Delta, lp: dict | None, reason: str | None) -> list[dict]:
+        """Content and tool-call pieces as the choice's stream reads them; the
+        logprobs ride on the first chunk, the finish reason on the last."""
+        ts = self.tool_streams[index]
+        events = ts.feed(d.text) + (ts.finish() if d.finished else [])
+        deltas: list[dict] = []
+        for e in events:
+            if isinstance(e, CallDelta):
+                self.called.add(index)
+                deltas.append({"tool_calls": [delta_body(e)]})
+            else:
+                deltas.append({"content": e})
+        if not deltas and (d.finished or lp is not None):
+            deltas.append({})
+        plan = self.ctx.tools
+        assert plan is not None
+        if reason is not None:
+            reason = plan.finish_reason(reason, index in self.called)
+        chunks = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            body = {
+                "delta": delta,
+                "logprobs": lp if k == 0 else None,
+                "finish_reason": reason if last else None,
+            }
+            chunks.append(self._chunk(index, body))
+        return chunks
 
     def _chunk(self, index: int, body: dict) -> dict:
         ctx = self.ctx

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
 from laneserve.engine_args import EngineArgs
+from laneserve.tool_calls.parsers import PARSERS
 
 if TYPE_CHECKING:
     from laneserve.entrypoints.api_server import ServerState
@@ -87,6 +88,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="accepted for vLLM compatibility: laneserve never logs request contents",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (and tools without tool_choice): read calls with --tool-call-parser',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="the format the model writes tool calls in (with --enable-auto-tool-choice)",
+    )
     EngineArgs.add_cli_args(p, default_worker_mode="process")
     p.set_defaults(func=run)
 
@@ -124,6 +136,9 @@ def run(ns: argparse.Namespace) -> int:
     if ns.max_n < 1:
         print(f"error: --max-n must be >= 1, got {ns.max_n}")
         return 2
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        print("error: --enable-auto-tool-choice needs --tool-call-parser")
+        return 2
     llm = AsyncLLM(config, on_step=None)
     state = ServerState(
         llm,
@@ -135,6 +150,7 @@ def run(ns: argparse.Namespace) -> int:
         allowed_origins=list(ns.allowed_origins),
         aliases=list(ns.served_model_name or [])[1:],
         trust_request_chat_template=ns.trust_request_chat_template,
+        tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
     )
     llm.on_step = lambda engine, deltas: state.metrics.refresh(engine)
     app = build_app(state)

@@ -62,9 +62,11 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: `chat_template` (the text) overrides the served template,
-        `chat_template_kwargs` reach it as variables."""
+        `chat_template_kwargs` reach it as variables, `tools` (OpenAI function
+        definitions) are rendered by the template; the output is plain text."""
         # one conversation (a list of messages) or a list of them
         one = bool(messages) and isinstance(messages[0], dict)
         conversations = cast(list[list[dict]], [messages] if one else messages)
@@ -77,6 +79,7 @@ class LLM:
                     chat_template=chat_template,
                     chat_template_kwargs=chat_template_kwargs,
                     continue_final_message=continue_final_message,
+                    tools=tools,
                 )
             }
             for c in conversations

@@ -50,10 +50,12 @@ class Tokenizer:
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Token ids of the conversation. `chat_template` (the text) overrides the
         served one; `chat_template_kwargs` reach the template as variables;
-        `continue_final_message` leaves the last (assistant) message open."""
+        `continue_final_message` leaves the last (assistant) message open; `tools`
+        (OpenAI function definitions) reach it as `tools`."""
         template = chat_template or self.chat_template
         if not template and not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate()")
@@ -62,6 +64,9 @@ class Tokenizer:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
             if m["role"] not in ("system", "user", "assistant", "tool"):
                 raise ValueError(f"message {i} has unknown role {m['role']!r}")
+        reserved = _RESERVED & set(chat_template_kwargs or {})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other")
         text = _text(
@@ -71,11 +76,26 @@ class Tokenizer:
                 template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
                 **(chat_template_kwargs or {}),
             )
         )
         # NOTE: the template already writes any BOS it wants.
         return self.encode(text, add_special_tokens=False)
+
+
+# set by the request itself, never through chat_template_kwargs
+_RESERVED = frozenset(
+    {
+        "tokenize",
+        "chat_template",
+        "conversation",
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
+)
 
 
 def _load_template(template: str | None) -> str | None:
@@ -94,9 +114,6 @@ def _render(hf, messages: list[dict], template: str | None, **kw: object) -> obj
     """The template's text; a template error is the caller's (a ValueError)."""
     from jinja2 import TemplateError
 
-    reserved = {"tokenize", "chat_template", "conversation", "messages"} & set(kw)
-    if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
     try:
         return hf.apply_chat_template(messages, tokenize=False, chat_template=template, **kw)
     except TemplateError as e:

@@ -159,11 +159,13 @@ def test_rejected_draft_that_closed_windows_is_recomputed(deepseek_v4_model: Pat
     _forward(model, dirty, [tokens[13], 111, 222], 13)  # 14, 15 wrong; 15 closes windows
     _forward(model, dirty, tokens[13:14], 13)  # only position 13 was accepted...
     got = _forward(model, dirty, tokens[14:17], 14)  # ...then the true 14, 15, 16
-    torch.testing.assert_close(got, want[1:], rtol=1e-5, atol=1e-5)
+    # NOTE: 3-row and 4-row steps round differently (fp32, ~2e-5 on some CPUs); a stale
+    # draft entry in a window would move the hidden states by far more than this
+    torch.testing.assert_close(got, want[1:], rtol=1e-4, atol=1e-4)
     assert torch.isfinite(got).all()
     for g, spec in enumerate(groups):
         if spec.kind == "compressed":
             closed = 16 // spec.tokens_per_entry  # entries of windows closed by 15
             a = clean.stacks[g][0].flatten(1, 2)[:, :closed]  # blocks 0.. hold entries 0..
             b = dirty.stacks[g][0].flatten(1, 2)[:, :closed]
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)

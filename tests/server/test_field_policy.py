@@ -25,9 +25,9 @@ def test_each_neutral_field_passes_off_and_fails_on(name: str) -> None:
         ({"best_of": 3}, 2, False),
         ({"best_of": 1}, 2, False),
         ({"best_of": True}, 1, False),
-        ({"tools": [{}]}, 1, False),
-        ({"tools": [{}], "tool_choice": "none"}, 1, True),
-        ({"tools": []}, 1, True),
+        ({"tools": [{}]}, 1, False),  # declared by chat requests only: unknown elsewhere
+        ({"function_call": "none"}, 1, True),
+        ({"function_call": "auto"}, 1, False),  # the deprecated spelling is not served
         ({"prediction": None}, 1, True),
         ({"prediction": {"type": "content"}}, 1, False),
         ({"modalities": ["text"]}, 1, True),
