@@ -216,3 +216,12 @@ def test_serve_rejects_two_different_models(capsys: pytest.CaptureFixture) -> No
 
     ns = build_parser().parse_args(["serve", "a", "--model", "b"])
     assert run(ns) == 2 and "two models" in capsys.readouterr().out
+
+
+def test_serve_auto_tool_choice_needs_a_parser(capsys: pytest.CaptureFixture) -> None:
+    from laneserve.entrypoints.serve import run
+
+    ns = build_parser().parse_args(["serve", "--enable-auto-tool-choice"])
+    assert run(ns) == 2 and "needs --tool-call-parser" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])

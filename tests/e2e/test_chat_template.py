@@ -36,6 +36,13 @@ def test_chat_template_per_call_kwargs_and_continue(tiny_models: dict[str, Path]
         assert text.endswith("The answer is") and not closed.endswith("The answer is")
         with pytest.raises(ValueError, match="chat template failed"):
             prompt_ids(llm, USER, chat_template="{% for %}")
+        with pytest.raises(ValueError, match=r"may not set \['tools'\]"):
+            prompt_ids(llm, USER, chat_template=TEMPLATE, chat_template_kwargs={"tools": []})
+        # tools reach the template as `tools`
+        listing = "{% for t in tools %}{{ t.function.name }};{% endfor %}"
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+        got = prompt_ids(llm, USER, chat_template=listing, tools=[tool, tool])
+        assert got == tok.encode("get_weather;get_weather;", add_special_tokens=False)
 
 
 def test_served_chat_template_from_a_file(tiny_models: dict[str, Path], tmp_path: Path) -> None:
