@@ -3,8 +3,8 @@
 For each mode: N concurrent greedy requests (EOS ignored, fixed output length),
 run without tracing for throughput, then once more with --profile-dir for the
 trace analyzer's summary (device span, exposed host gap between consecutive
-device invocations, prepare(N+1) finished before device(N) ended). Modes: sync (inline worker), async
-with the worker's lanes in this process, async with a spawned worker process.
+device invocations, prepare(N+1) finished before device(N) ended). Modes: sync and async
+with the worker in this process (lanes as threads), and both with a spawned worker process.
 
     .venv/bin/python benchmarks/bench_async.py --concurrency 8 --max-tokens 128
 """
@@ -25,6 +25,7 @@ from laneserve.obs.trace_analysis import load_events, report, step_spans, summar
 MODES = {
     "sync": {"async_scheduling": False, "worker_mode": "thread"},
     "async (lanes, this process)": {"async_scheduling": True, "worker_mode": "thread"},
+    "sync (worker process)": {"async_scheduling": False, "worker_mode": "process"},
     "async (worker process)": {"async_scheduling": True, "worker_mode": "process"},
 }
 

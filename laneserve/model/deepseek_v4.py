@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from laneserve.core.kv_cache_manager import CacheGroupSpec
-from laneserve.model.arch import ArchConfig, UnsupportedModelError
+from laneserve.model.arch import ArchConfig
 from laneserve.model.deepseek_v4_attention import LayerCaches, V4Attention, V4StepMetadata
 from laneserve.model.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Params
 from laneserve.model.deepseek_v4_moe import V4MoE
@@ -132,7 +132,7 @@ class V4Layer:
 
 class DeepseekV4Model:
     """forward(ids, positions, V4StepMetadata, caches of every group) -> (normed hidden,
-    hidden before the final norm)."""
+    the last layer's residual streams [T, N * H], which the MTP layer reads)."""
 
     supports_async_prepare = True  # inputs are resolved on the device, as for Llama
     reads_all_cache_groups = True  # the runner passes every group's tables and caches
@@ -154,6 +154,7 @@ class DeepseekV4Model:
             SLIDING: InterleavedRope(p.main_rope, p.rope_dim, max_positions, device),
             "compress": InterleavedRope(p.compress_rope, p.rope_dim, max_positions, device),
         }
+        self.main_rope = ropes[SLIDING]  # the MTP layer's (sliding-window) attention uses it
         self.layers = [
             V4Layer(
                 arch,
@@ -206,7 +207,7 @@ class DeepseekV4Model:
         for layer, cache in zip(self.layers, self.layer_caches(caches), strict=True):
             streams = layer(streams, input_ids, positions, cache, meta)
         collapsed = self.hc_head(streams, self.arch.rms_norm_eps)
-        return self.norm(collapsed), collapsed
+        return self.norm(collapsed), streams.reshape(streams.shape[0], -1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] fp32
         return self.lm_head(hidden).float()
@@ -215,10 +216,10 @@ class DeepseekV4Model:
 def cache_groups(
     arch: ArchConfig, block_size: int, dtype_bytes: int, mtp_layers: int
 ) -> list[CacheGroupSpec]:
-    """The groups of `group_plan`; a compressed group's block holds `block_size` entries."""
-    if mtp_layers:
-        raise UnsupportedModelError("MTP speculative decoding is not supported for DeepSeek V4")
-    return [
+    """The groups of `group_plan` (a compressed group's block holds `block_size` entries),
+    then the MTP layer's sliding window of K = V entries."""
+    p = _params(arch)
+    groups = [
         CacheGroupSpec(
             g.name,
             g.kind,
@@ -230,8 +231,22 @@ def cache_groups(
             tokens_per_entry=g.tokens_per_entry,
             window=g.window,
         )
-        for g in group_plan(_params(arch))
+        for g in group_plan(p)
     ]
+    if mtp_layers:
+        groups.append(
+            CacheGroupSpec(
+                "mtp",
+                "sliding_window",
+                block_size,
+                mtp_layers,
+                1,
+                (1, p.head_dim),
+                dtype_bytes,
+                window=p.sliding_window,
+            )
+        )
+    return groups
 
 
 def weight_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:

@@ -72,7 +72,9 @@ def _deepseek_v4_mtp(
     known_name: str | None,
     quantize: str | None,
 ) -> Any:
-    raise UnsupportedModelError("MTP speculative decoding is not supported for DeepSeek V4")
+    from laneserve.model.deepseek_v4_mtp import load_deepseek_v4_mtp
+
+    return load_deepseek_v4_mtp(store, model, kernels, draft_weights, quantize)
 
 
 FAMILIES = (

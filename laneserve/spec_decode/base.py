@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from laneserve.model.attention import AttentionMetadata
+from laneserve.model.deepseek_v4_attention import V4StepMetadata
 
 
 class DraftSlots(Protocol):
@@ -36,8 +37,9 @@ class StepView:
     slots: torch.Tensor  # [Rs] state slots of the sampling rows
     last_index: torch.Tensor  # [Rs] token row of each sampling row's last accepted position
     positions: torch.Tensor  # [T]
-    hidden: torch.Tensor  # [T, H] target normed hidden
-    meta_mtp: AttentionMetadata | None  # the step's attention metadata for the MTP cache group
+    hidden: torch.Tensor  # [T, H] target normed hidden ([T, N * H] streams for DeepSeek V4)
+    # the step's attention metadata for the MTP cache group (V4: its table per token)
+    meta_mtp: AttentionMetadata | V4StepMetadata | None
     # [Rs, W + 1] MTP block table rows (last column: scratch); None at depth 1 (k = 1 or a
     # depth-1 tree), where no draft goes past the first position
     mtp_table: torch.Tensor | None

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 
 from laneserve.model.attention import AttentionMetadata
+from laneserve.model.deepseek_v4_attention import V4StepMetadata
+from laneserve.model.deepseek_v4_mtp import DeepseekV4MtpHead
 from laneserve.model.mtp import MtpHead
 from laneserve.spec_decode.base import DraftSlots, Proposer, StepView
 from laneserve.spec_decode.ngram import NgramProposer
@@ -34,7 +36,7 @@ __all__ = ["MtpProposer", "NgramProposer", "Proposer", "StepView"]
 class MtpProposer:
     def __init__(
         self,
-        head: MtpHead,
+        head: MtpHead | DeepseekV4MtpHead,
         k: int,
         kv_cache: tuple[torch.Tensor, ...],  # (K, V), or (latent,) for MLA
         block_size: int,
@@ -48,7 +50,11 @@ class MtpProposer:
         # NOTE: the runner always builds the MTP group's metadata when this proposer exists.
         assert view.meta_mtp is not None, "MTP drafts need the MTP cache group's metadata"
         out = self.head.forward(
-            next_tokens, view.hidden, view.positions, view.meta_mtp, self.kv_cache
+            next_tokens,
+            view.hidden,
+            view.positions,
+            view.meta_mtp,  # type: ignore[arg-type]  # the head's own kind (see StepView)
+            self.kv_cache,
         )
         if view.slots.numel() == 0:
             return  # a prompt chunk: only the head's KV was needed
@@ -75,15 +81,20 @@ class MtpProposer:
         assert table is not None, "recurrent drafts (k > 1) need the MTP block table"
         drafts = [token[:, None]]
         pos = view.positions.index_select(0, view.last_index)
+        bound = view.max_len + self.k  # NOTE: above every position drafted here
         for _ in range(self.k - 1):
             pos = pos + 1
-            meta = self._single_token_meta(table, pos)
-            h = self.head.forward(token, h, pos, meta, self.kv_cache)
+            meta = self._single_token_meta(table, pos, bound)
+            h = self.head.forward(token, h, pos, meta, self.kv_cache)  # type: ignore[arg-type]
             token = self.head.draft(h)[:, 0]
             drafts.append(token[:, None])
         return torch.cat(drafts, dim=1)
 
-    def _single_token_meta(self, table: torch.Tensor, pos: torch.Tensor) -> AttentionMetadata:
+    def _single_token_meta(
+        self, table: torch.Tensor, pos: torch.Tensor, bound: int
+    ) -> AttentionMetadata | V4StepMetadata:
+        if isinstance(self.head, DeepseekV4MtpHead):  # NOTE: V4 reads a table per token
+            return self.head.step_metadata(table, bound)
         bs = self.block_size
         col = torch.div(pos, bs, rounding_mode="floor").clamp(max=table.shape[1] - 1)
         block = table.gather(1, col[:, None]).squeeze(1)

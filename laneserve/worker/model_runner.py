@@ -25,6 +25,7 @@ from laneserve.model.attention import AttentionMetadata, PrefillSpan
 from laneserve.model.deepseek import DeepseekModel
 from laneserve.model.deepseek_v4 import DeepseekV4Model
 from laneserve.model.deepseek_v4_attention import V4StepMetadata
+from laneserve.model.deepseek_v4_mtp import DeepseekV4MtpHead
 from laneserve.model.llama import LlamaModel
 from laneserve.protocol import RequestError, RequestOutput, StepResult, TokenLogprobs
 from laneserve.sample.step import Drafts, SampledStep, TreeRows, sample_step
@@ -90,6 +91,7 @@ class _Forward:
     hidden: torch.Tensor  # [T, H] (d1's row is replaced when an alternative is accepted)
     side: SideStep | None = None
     side_hidden: torch.Tensor | None = None  # [Ra * W, H]
+    draft_hidden: torch.Tensor | None = None  # what the MTP layer reads, if not `hidden`
 
 
 class ModelRunner:
@@ -161,7 +163,8 @@ class ModelRunner:
             self._commit(inp, sampled.tokens, sampled.num_accepted + 1)
         if self.proposer is not None:
             accepted = sampled.num_accepted if sampled is not None else None
-            self._propose(inp, fwd.hidden, positions, meta, accepted)
+            draft_hidden = fwd.draft_hidden if fwd.draft_hidden is not None else fwd.hidden
+            self._propose(inp, draft_hidden, positions, meta, accepted)
         return replace(_outputs(inp, sampled, drafts), prompt_logprobs=prompt_lp)
 
     def release(self, pairs: list[tuple[int, int]]) -> None:
@@ -243,8 +246,8 @@ class ModelRunner:
         if inp.spec.side is None:
             if isinstance(self.model, DeepseekV4Model):  # it reads every cache group
                 grouped = self._all_groups(inp)
-                hidden, _ = self.model.forward(ids, positions, grouped, self.kv_caches)
-                return _Forward(hidden)
+                hidden, streams = self.model.forward(ids, positions, grouped, self.kv_caches)
+                return _Forward(hidden, draft_hidden=streams)
             hidden, _ = self.model.forward(ids, positions, meta, self.kv_caches[0])
             return _Forward(hidden)
         assert not isinstance(self.model, DeepseekV4Model), "V4 takes no token-tree rows"
@@ -350,14 +353,23 @@ class ModelRunner:
         next_tokens = st.history[inp.per_token.slot, (positions + 1).clamp(max=st.width - 1)]
         last = sr.first + (accepted if accepted is not None else 0)
         last_index = sr.token_idx.index_select(0, last) if accepted is not None else last
-        meta_mtp = mtp_table = None
+        meta_mtp: AttentionMetadata | V4StepMetadata | None = None
+        mtp_table = None
         if self.mtp_group is not None:
-            meta_mtp = self._group_metadata(inp, meta, positions, self.mtp_group)
+            meta_mtp = self._mtp_metadata(inp, meta, positions, self.mtp_group)
             if self.max_spec > 1:  # only recurrent drafts (k > 1) read it
                 table = inp.attention.groups[self.mtp_group].block_table
                 mtp_table = table.index_select(0, sr.index)
         view = StepView(sr.slot, last_index, positions, hidden, meta_mtp, mtp_table, inp.max_len)
         self.proposer.propose(st, view, next_tokens)
+
+    def _mtp_metadata(
+        self, inp: StepInputs, meta: AttentionMetadata, positions: torch.Tensor, group: int
+    ) -> AttentionMetadata | V4StepMetadata:
+        if isinstance(self.model, DeepseekV4Model):  # NOTE: its attention reads tables per token
+            table = inp.attention.groups[group].block_table.index_select(0, inp.per_token.row)
+            return DeepseekV4MtpHead.step_metadata(table, inp.max_len)
+        return self._group_metadata(inp, meta, positions, group)
 
     # -- output lane -------------------------------------------------------
     def reclaim(self, out: DeviceOutputs) -> StepResult:

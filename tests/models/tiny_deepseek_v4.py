@@ -202,3 +202,68 @@ def quantized_release(src: Path, out: Path, reference: Path) -> tuple[Path, Path
 def _release_name(name: str) -> str:
     name = name.removeprefix("model.").replace("embed_tokens.weight", "embed.weight")
     return name.replace("hc_head.hc_", "hc_head_")
+
+
+def add_v4_mtp_layer(release: Path, *, seed: int = 0) -> Path:
+    """Adds a random `mtp.0.*` layer to a release-layout checkpoint (in place): attention
+    and hyper-connection shapes from the sliding layer 0, a scored (not hashed) MoE from
+    layer 1, each perturbed so that no tensor equals the target's; its own e_proj /
+    h_proj, norms and hc_head."""
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    state = load_file(str(release / "model.safetensors"))
+    h = state["embed.weight"].shape[1]
+
+    def noisy(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t.clone()
+        spread = t.float().std().clamp(min=0.05) if t.numel() > 1 else 0.1
+        return (t + torch.randn(t.shape, generator=gen) * spread).to(t.dtype)
+
+    mtp = {}
+    for name, t in state.items():
+        if name.startswith("layers.0.") and ".ffn." not in name:
+            mtp["mtp.0." + name.removeprefix("layers.0.")] = noisy(t)
+        elif name.startswith("layers.1.ffn."):
+            mtp["mtp.0." + name.removeprefix("layers.1.")] = noisy(t)
+    for proj in ("e_proj", "h_proj"):
+        mtp[f"mtp.0.{proj}.weight"] = torch.randn(h, h, generator=gen) * h**-0.5
+    for norm in ("enorm", "hnorm", "norm"):
+        mtp[f"mtp.0.{norm}.weight"] = torch.empty(h).uniform_(0.7, 1.3, generator=gen)
+    for part in ("fn", "base", "scale"):
+        mtp[f"mtp.0.hc_head_{part}"] = noisy(state[f"hc_head_{part}"])
+    save_file({**state, **mtp}, str(release / "model.safetensors"))
+    return release
+
+
+def hf_mtp_reference(release: Path, out: Path) -> Path:
+    """A one-layer save_pretrained checkpoint whose layer 0 is the `mtp.0` block, its
+    hc_head and final norm the block's, embedding and LM head the target's: run on
+    the block's input streams it computes the MTP layer's logits with transformers'
+    own attention, MoE and hyper-connections."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in release.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(num_hidden_layers=1, layer_types=[V4_LAYER_TYPES[0]], mlp_layer_types=["moe"])
+    (out / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(release / "model.safetensors"))
+    ref = {
+        "model.embed_tokens.weight": state["embed.weight"],
+        "head.weight": state["head.weight"],
+        "model.norm.weight": state["mtp.0.norm.weight"],
+    }
+    for part in ("fn", "base", "scale"):
+        ref[f"model.hc_head.hc_{part}"] = state[f"mtp.0.hc_head_{part}"]
+    skip = ("e_proj", "h_proj", "enorm", "hnorm", "norm.weight", "hc_head_")
+    for name, t in state.items():
+        if name.startswith("mtp.0.") and not name.removeprefix("mtp.0.").startswith(skip):
+            ref["model.layers.0." + name.removeprefix("mtp.0.")] = t
+    save_file(ref, str(out / "model.safetensors"))
+    return out

@@ -1,0 +1,108 @@
+"""The DeepSeek V4 checkpoint's own multi-token-prediction layer as a draft head.
+
+Release checkpoints carry it as `mtp.0.*`. It reads the target's `hc_mult` residual
+streams (the last layer's output, before `hc_head` collapses them) and keeps
+streams of its own:
+
+    x  = e_proj(enorm(embed(t[i+1])))  +  h_proj(hnorm(streams[i]))    (per stream)
+    s' = block(x)             # a V4 layer: sliding-window attention, scored MoE, hyper-connections
+    draft(t[i+2]) = argmax head(norm(hc_head'(s')))   # its own hc_head, the target's LM head
+
+`s'` feeds the next depth, as the V3 layer's normed output does. The head's cache
+group (`"mtp"`) is a sliding window of K = V entries, like the target's `swa` group.
+The head has the interface of `model/mtp.py`'s head, and it builds its attention
+metadata itself (`step_metadata`, `rows_metadata`): V4 attention reads a block table
+per token, not the paged-attention metadata of the other families.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from laneserve.model.arch import ArchConfig, UnsupportedModelError
+from laneserve.model.deepseek_v4 import DeepseekV4Model, V4Layer
+from laneserve.model.deepseek_v4_attention import LayerCaches, V4StepMetadata
+from laneserve.model.deepseek_v4_config import SLIDING
+from laneserve.model.deepseek_v4_ops import HyperHead, Norm
+from laneserve.model.layers import Kernels, Linear
+
+WeightGetter = Callable[..., torch.Tensor]
+PREFIX = "mtp.0"
+
+
+class DeepseekV4MtpHead:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        kernels: Kernels,
+        get: WeightGetter,
+        base: DeepseekV4Model,
+    ) -> None:
+        p, eps = base.p, arch.rms_norm_eps
+        self.base, self.kernels, self.n, self.eps = base, kernels, p.hc_mult, eps
+        self.enorm = Norm(get(f"{PREFIX}.enorm.weight", torch.float32), eps)
+        self.hnorm = Norm(get(f"{PREFIX}.hnorm.weight", torch.float32), eps)
+        self.e_proj = Linear(kernels, get(f"{PREFIX}.e_proj.weight"), None)
+        self.h_proj = Linear(kernels, get(f"{PREFIX}.h_proj.weight"), None)
+        self.layer = V4Layer(arch, kernels, get, PREFIX, SLIDING, False, base.main_rope)
+        self.hc_head = HyperHead(
+            get(f"{PREFIX}.hc_head_fn", torch.float32),
+            get(f"{PREFIX}.hc_head_base", torch.float32),
+            get(f"{PREFIX}.hc_head_scale", torch.float32),
+            p.hc_eps,
+        )
+        self.norm = Norm(get(f"{PREFIX}.norm.weight", torch.float32), eps)
+        self.draft_vocab = None
+
+    def forward(
+        self,
+        next_tokens: torch.Tensor,  # [T] t[i+1] for each position i
+        hidden: torch.Tensor,  # [T, N * H] the target's (or the previous depth's) streams
+        positions: torch.Tensor,  # [T] i
+        meta: V4StepMetadata,  # the MTP group's table per token (`step_metadata`)
+        cache: tuple[torch.Tensor, ...],  # the MTP group's (K = V,)
+    ) -> torch.Tensor:  # [T, N * H] this depth's streams
+        t = next_tokens.shape[0]
+        e = self.e_proj(self.enorm(self.base.embed(next_tokens)))  # [T, H]
+        streams = hidden.view(t, self.n, -1)
+        h = self.h_proj(self.hnorm(streams).reshape(t * self.n, -1)).view(t, self.n, -1)
+        x = e[:, None, :] + h
+        out = self.layer(x, next_tokens, positions, LayerCaches(cache[0], 0), meta)
+        return out.reshape(t, -1)
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:  # [N, V] fp32
+        collapsed = self.hc_head(streams.view(streams.shape[0], self.n, -1), self.eps)
+        return self.base.compute_logits(self.norm(collapsed))
+
+    def draft(self, streams: torch.Tensor, n: int = 1) -> torch.Tensor:  # [N, n] best first
+        return self.kernels.top_tokens(self.logits(streams), n, None)
+
+    @staticmethod
+    def step_metadata(table_per_token: torch.Tensor, max_len: int) -> V4StepMetadata:
+        return V4StepMetadata((table_per_token.to(torch.int64),), max_len)
+
+
+def load_deepseek_v4_mtp(
+    store,  # WeightStore
+    base: DeepseekV4Model,
+    kernels: Kernels,
+    draft_weights: str | None,
+    quantize: str | None,
+) -> DeepseekV4MtpHead:
+    arch = store.ckpt.arch
+    if draft_weights:
+        raise UnsupportedModelError(
+            f"{arch.architecture}: the draft comes from the checkpoint's own MTP layer; "
+            "separate draft_weights are not supported for this family"
+        )
+    if quantize:
+        raise UnsupportedModelError(f"{arch.architecture}: MTP quantization is not supported")
+    name = f"{PREFIX}.e_proj.weight"
+    if not store.has(name):
+        raise UnsupportedModelError(
+            f"{store.ckpt.source} carries no MTP layer ({name}; the release layout's "
+            '`mtp.0.*`): speculative method \'mtp\' needs one; use "method": "ngram"'
+        )
+    return DeepseekV4MtpHead(arch, kernels, store, base)
