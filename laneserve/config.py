@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 
 import msgspec
 
@@ -222,11 +223,17 @@ def token_tree_shape(tree: str) -> tuple[int, int]:
     return width, depth
 
 
+def default_worker_mode() -> str:
+    """$LANESERVE_WORKER_MODE when set (e.g. "thread" to keep the model in the calling
+    process), else "process": the fastest mode measured (docs/async.md)."""
+    return os.environ.get("LANESERVE_WORKER_MODE") or WorkerConfig().mode
+
+
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # "process": the model lives in a spawned worker process; "thread": in this
-    # process (same lanes, no IPC). The offline LLM defaults to "thread", `serve` to
+    # process (same lanes, no IPC). Both the offline LLM and `serve` default to
     # "process" (docs/async.md compares them).
-    mode: str = "thread"  # one of WORKER_MODES
+    mode: str = "process"  # one of WORKER_MODES
     restart_on_failure: bool = True
     profile_dir: str | None = None
     num_threads: int | None = None  # torch intra-op threads in the worker

@@ -27,6 +27,7 @@ from laneserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
     WorkerConfig,
+    default_worker_mode,
     speculative_keys_help,
 )
 
@@ -128,10 +129,10 @@ class EngineArgs:
     speculative_config: str | dict | SpeculativeConfig | None = field(
         default=None, metadata={"help": _SPECULATIVE_HELP}
     )
-    worker_mode: str = _from_config(
-        WorkerConfig,
-        "mode",
-        "process: the model runs in a spawned worker process; thread: in this one",
+    worker_mode: str | None = _arg(
+        None,
+        "process: the model runs in a spawned worker process; thread: in this one "
+        "(default: $LANESERVE_WORKER_MODE if set, else process)",
         choices=WORKER_MODES,
     )
     restart_worker: bool = _from_config(
@@ -205,7 +206,7 @@ class EngineArgs:
             ),
             speculative=SpeculativeConfig.parse(self.speculative_config),
             worker=WorkerConfig(
-                mode=self.worker_mode,
+                mode=self.worker_mode or default_worker_mode(),
                 restart_on_failure=self.restart_worker,
                 profile_dir=self.profile_dir,
                 num_threads=self.num_threads,
@@ -231,10 +232,11 @@ class EngineArgs:
         g = parser.add_argument_group("engine")
         hints = typing.get_type_hints(EngineArgs)
         for f in fields(EngineArgs):
-            default = f.default
+            default, kind = f.default, _kind(hints[f.name], f)
             if f.name == "worker_mode" and default_worker_mode is not None:
-                default = default_worker_mode
-            g.add_argument(cli_flag(f), dest=f.name, default=default, **_kind(hints[f.name], f))
+                default = default_worker_mode  # NOTE: fixed here, whatever the environment
+                kind["help"] = kind["help"].split(" (default:")[0]
+            g.add_argument(cli_flag(f), dest=f.name, default=default, **kind)
 
     @staticmethod
     def from_cli(ns: argparse.Namespace) -> EngineArgs:

@@ -2,6 +2,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# NOTE: the tests keep the model in their own process (a faster start, and several read
+# the worker's counters in place); the process default is covered where it is named
+# (tests/test_cli.py, tests/worker/test_worker_process.py, every server test)
+os.environ.setdefault("LANESERVE_WORKER_MODE", "thread")
 
 from pathlib import Path
 

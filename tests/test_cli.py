@@ -73,8 +73,11 @@ def test_every_flag_of_every_command_has_help_and_shows_its_default() -> None:
                 assert f"(default: {a.default})" in " ".join(text.split()), where
 
 
-def test_defaults_agree_between_engine_args_config_and_cli() -> None:
+def test_defaults_agree_between_engine_args_config_and_cli(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # EngineArgs' defaults build exactly the config's own defaults
+    monkeypatch.delenv("LANESERVE_WORKER_MODE", raising=False)
     cfg = EngineArgs(model="m").create_config()
     assert cfg == EngineConfig(model=ModelConfig(model="m"))
     # and the generated flags default to EngineArgs' values
@@ -201,7 +204,10 @@ def test_vllm_arguments_with_a_narrower_meaning_fail_clearly(kwargs: dict, messa
         EngineArgs(model="m", **kwargs).create_config()
 
 
-def test_gpu_memory_utilization_range_and_trust_remote_code() -> None:
+def test_gpu_memory_utilization_range_and_trust_remote_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("LANESERVE_WORKER_MODE", raising=False)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
         EngineConfig(
             model=ModelConfig(model="m"),
@@ -225,3 +231,16 @@ def test_serve_auto_tool_choice_needs_a_parser(capsys: pytest.CaptureFixture) ->
     assert run(ns) == 2 and "needs --tool-call-parser" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+
+
+def test_worker_mode_default_is_the_process_unless_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("LANESERVE_WORKER_MODE", raising=False)
+    assert EngineArgs(model="m").create_config().worker.mode == "process"
+    monkeypatch.setenv("LANESERVE_WORKER_MODE", "thread")
+    assert EngineArgs(model="m").create_config().worker.mode == "thread"
+    assert EngineArgs(model="m", worker_mode="process").create_config().worker.mode == "process"
+    monkeypatch.setenv("LANESERVE_WORKER_MODE", "fork")
+    with pytest.raises(ValueError, match="worker mode must be"):
+        EngineArgs(model="m").create_config()
