@@ -6,7 +6,8 @@ the response: a full queue is a 503 for streams too) -> either collect (JSON)
 or stream (SSE, `data: [DONE]` at the end; a request that fails mid-stream
 gets an error event). A client that leaves aborts its requests: streams notice
 it when starlette cancels them, collected requests by watching the ASGI
-channel for `http.disconnect`. Response bodies are built in `responses.py`.
+channel for `http.disconnect`. Response bodies are built in `responses.py`, errors in
+`api_errors.py`.
 """
 
 from __future__ import annotations
@@ -21,33 +22,23 @@ from dataclasses import dataclass, field
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 import laneserve
 from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
-from laneserve.core.engine_core import EngineDeadError, QueueFullError
 from laneserve.entrypoints import responses as R
-from laneserve.entrypoints.middleware import GuardMiddleware, error_json
+from laneserve.entrypoints.api_errors import APIError, error_for, install_error_handlers
+from laneserve.entrypoints.middleware import GuardMiddleware
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from laneserve.entrypoints.streams import SSEResponse, client_left, close_all, merged
-from laneserve.frontend.async_llm import AsyncLLM, EngineStoppedError
+from laneserve.frontend.async_llm import AsyncLLM
 from laneserve.frontend.output_processor import Delta
 from laneserve.obs.metrics import RequestTimes, ServerMetrics
 from laneserve.sampling_params import SamplingParams
 from laneserve.tool_calls.choice import ToolPlan
 
 log = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    def __init__(
-        self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
 @dataclass
@@ -74,7 +65,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="laneserve", version=laneserve.__version__)
     app.state.s = state
     _install_middleware(app, state)
-    _install_errors(app)
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -276,20 +267,8 @@ async def _admit(
     error = next((r for r in results if isinstance(r, BaseException)), None)
     if error is not None:
         await close_all(streams)
-        raise _error_for(error) from None
+        raise error_for(error) from None
     return streams
-
-
-def _error_for(e: BaseException) -> APIError:
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, QueueFullError):
-        return APIError(503, str(e), "ServiceUnavailableError")
-    if isinstance(e, (EngineDeadError, EngineStoppedError)):
-        return APIError(503, str(e), "ServiceUnavailableError")
-    if isinstance(e, ValueError):
-        return APIError(400, str(e))
-    return APIError(500, f"internal error: {e}", "InternalServerError")
 
 
 async def _collect(state: ServerState, request: Request, ctx: R.Context, streams: list) -> Response:
@@ -312,7 +291,7 @@ async def _collect(state: ServerState, request: Request, ctx: R.Context, streams
             return Response(status_code=499)
         task.result()
     except Exception as e:
-        raise _error_for(e) from None
+        raise error_for(e) from None
     finally:
         gone.cancel()
     if acc.error is not None:
@@ -338,7 +317,7 @@ async def _sse(state: ServerState, ctx: R.Context, streams: list) -> AsyncIterat
         if ctx.body.include_usage:
             yield R.sse(acc.usage_chunk())
     except Exception as e:
-        err = _error_for(e)
+        err = error_for(e)
         yield R.sse(R.error_body(err.message, err.kind, err.status))
     yield b"data: [DONE]\n\n"
 
@@ -383,43 +362,3 @@ def _install_middleware(app: FastAPI, state: ServerState) -> None:
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["authorization", "content-type"],
         )
-
-
-def _error_response(e: APIError) -> Response:
-    body = error_json(e.message, e.kind, e.status, e.param)
-    return Response(body, status_code=e.status, media_type="application/json")
-
-
-def _is_field(part: object) -> bool:
-    """A field name or list index in pydantic's error location; not the body itself
-    nor the union member tags (`str`, `function-after[...]`, `list[int]`)."""
-    if isinstance(part, int):
-        return True
-    tags = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
-    return isinstance(part, str) and part.isidentifier() and part not in tags
-
-
-def _install_errors(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> Response:
-        return _error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> Response:
-        errors = e.errors()
-        # NOTE: a union reports one error per member; our own checks say most
-        first = next((x for x in errors if x.get("type") == "value_error"), None) or (
-            errors[0] if errors else {}
-        )
-        loc = ".".join(str(x) for x in first.get("loc", ()) if _is_field(x))
-        if first.get("type") == "json_invalid":
-            return _error_response(APIError(400, "the request body is not valid JSON"))
-        return _error_response(
-            APIError(
-                400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", param=loc or None
-            )
-        )
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> Response:
-        return _error_response(APIError(e.status_code, str(e.detail), "HTTPError"))

@@ -40,8 +40,9 @@ from laneserve.structured.matchers import GrammarBook
 from laneserve.worker.failures import StepFailure, failed_result, handles_of, salvage
 from laneserve.worker.input_batch import InputSlot, RequestTable
 from laneserve.worker.kv_cache import KvCache, num_blocks_for
-from laneserve.worker.model_runner import DeviceOutputs, ModelRunner
+from laneserve.worker.model_runner import ModelRunner
 from laneserve.worker.step_inputs import InputLayout, StepInputs, build_inputs
+from laneserve.worker.step_outputs import DeviceOutputs
 
 log = logging.getLogger(__name__)
 
