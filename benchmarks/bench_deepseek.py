@@ -1,12 +1,15 @@
-"""DeepSeek V3 layout: laneserve vs transformers `generate`, and exact MTP vs no speculation.
+"""DeepSeek V3 / V4 layouts: laneserve vs transformers `generate`, and exact MTP vs no
+speculation (V3).
 
-A random mid-size V3-layout checkpoint (MLA, routed MoE, yarn rope) is built once in a
-temporary directory; greedy generation of a fixed number of tokens (EOS ignored) at
-each batch size runs in laneserve and in transformers in the same process, and the
-ratios are printed. A second, 1-layer checkpoint whose MTP layer predicts the target
+A random mid-size checkpoint (V3: MLA, routed MoE, yarn rope; V4: sliding / CSA / HCA
+attention, hyper-connections, hash and scored MoE) is built once in a temporary
+directory; greedy generation of a fixed number of tokens (EOS ignored) at each batch
+size runs in laneserve and in transformers in the same process, and the ratios are
+printed. For V3 a second, 1-layer checkpoint whose MTP layer predicts the target
 exactly measures MTP (k = 1) against no speculation at batch 1.
 
-    .venv/bin/python benchmarks/bench_deepseek.py                 # bf16, batch 1 / 8 / 32
+    .venv/bin/python benchmarks/bench_deepseek.py                 # V3, bf16, batch 1 / 8 / 32
+    .venv/bin/python benchmarks/bench_deepseek.py --family v4 --max-tokens 32
     .venv/bin/python benchmarks/bench_deepseek.py --quick         # tiny fp32 smoke run
     .venv/bin/python benchmarks/bench_deepseek.py --batches 8,32 --max-tokens 32 --repeats 3
 
@@ -30,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from laneserve import LLM, SamplingParams
+from tests.models.tiny_deepseek_v4 import V4_LAYER_TYPES, build_tiny_deepseek_v4
 from tests.tiny_models import build_exact_deepseek_mtp, build_tiny_deepseek
 
 MID = dict(
@@ -41,6 +45,15 @@ MID = dict(
     initializer_range=0.02,
 )  # fmt: skip
 QUICK = dict(vocab_size=2048)  # the tiny test config, a larger vocabulary
+MID_V4 = dict(
+    vocab_size=32000, hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8,
+    num_attention_heads=16, head_dim=128, q_lora_rank=384, n_routed_experts=32,
+    num_experts_per_tok=4, layer_types=V4_LAYER_TYPES * 2,
+    mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 6, hc_mult=4, sliding_window=128,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
+    o_groups=4, o_lora_rank=256, index_n_heads=16, index_head_dim=64, index_topk=32,
+    max_position_embeddings=4096, initializer_range=0.02,
+)  # fmt: skip
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -100,12 +113,21 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per case; the best counts")
     ap.add_argument("--no-mtp", action="store_true", help="skip the MTP-vs-no-speculation part")
+    ap.add_argument("--family", default="v3", choices=["v3", "v4"])
     args = ap.parse_args()
-    cfg, dtype, batches = MID, args.dtype, [int(b) for b in args.batches.split(",")]
+    v4 = args.family == "v4"
+    cfg, dtype, batches = (
+        MID_V4 if v4 else MID,
+        args.dtype,
+        [int(b) for b in args.batches.split(",")],
+    )
     if args.quick:
         cfg, dtype, batches, args.max_tokens = QUICK, "float32", [1, 2], 8
     root = Path(tempfile.mkdtemp(prefix="ls-bench-deepseek-"))
-    model = build_tiny_deepseek(root / "v3", 3, seed=0, **cfg)
+    if v4:
+        model = build_tiny_deepseek_v4(root / "v4", seed=0, **cfg)
+    else:
+        model = build_tiny_deepseek(root / "v3", 3, seed=0, **cfg)
     rows = []
     for b in batches:
         batch = prompts(b, args.prompt_len, cfg["vocab_size"])
@@ -114,7 +136,7 @@ def main() -> None:
         rows.append({"batch": b, "laneserve_tok_s": round(ours, 1),
                      "transformers_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 2)})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
-    if args.no_mtp:
+    if args.no_mtp or v4:  # NOTE: no exact-MTP construction for V4
         return
     exact = build_exact_deepseek_mtp(root / "exact", **{**cfg, "num_nextn_predict_layers": 1})
     one = prompts(1, args.prompt_len, cfg["vocab_size"], seed=1)

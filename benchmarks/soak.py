@@ -10,9 +10,13 @@ checks that running / waiting are 0 and the KV cache is empty (no leaked
 blocks), and reports RSS growth after the first (warm-up) minute.
 
     python benchmarks/soak.py --minutes 30 --concurrency 8            # starts a server
+    python benchmarks/soak.py --server-arg=--num-kv-blocks=1024       # a smaller KV cache
     python benchmarks/soak.py --url http://127.0.0.1:8000 --pid 1234  # attaches to one
 
-Exit status 1 if any 5xx was seen or the engine did not drain.
+The KV cache is allocated untouched: the worker's RSS grows as blocks are first written,
+until every block has been used once (with the default budget that takes many minutes;
+a small `--num-kv-blocks` gets it done within the warm-up minute). Exit status 1 if any
+5xx was seen or the engine did not drain.
 """
 
 from __future__ import annotations
@@ -167,6 +171,7 @@ def start_server(ns: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     cmd += ["--served-model-name", ns.model_name]
     if ns.model:
         cmd += ["--model", ns.model]
+    cmd += ns.server_arg
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -188,6 +193,12 @@ def main() -> int:
     p.add_argument("--model-name", default="soak")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--minutes", type=float, default=30)
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="a flag for the started server (repeatable), e.g. --server-arg=--num-kv-blocks=1024",
+    )
     p.add_argument("--concurrency", type=int, default=8)
     ns = p.parse_args()
     proc = None

@@ -68,6 +68,17 @@ class DeepseekMtpHead:
         return self.kernels.top_tokens(self.head(normed), n, None)
 
 
+def refuse_head_options(arch: ArchConfig, draft_weights: str | None, quantize: str | None) -> None:
+    """A DeepSeek checkpoint drafts with its own layer, as stored."""
+    if draft_weights:
+        raise UnsupportedModelError(
+            f"{arch.architecture}: the draft comes from the checkpoint's own MTP layer; "
+            "separate draft_weights are not supported for this family"
+        )
+    if quantize:
+        raise UnsupportedModelError(f"{arch.architecture}: MTP quantization is not supported")
+
+
 def load_deepseek_mtp(
     store: WeightStore,
     base: DeepseekModel,
@@ -76,13 +87,7 @@ def load_deepseek_mtp(
     quantize: str | None,
 ) -> DeepseekMtpHead:
     arch = store.ckpt.arch
-    if draft_weights:
-        raise UnsupportedModelError(
-            f"{arch.architecture}: the draft comes from the checkpoint's own MTP layer; "
-            "separate draft_weights are not supported for this family"
-        )
-    if quantize:
-        raise UnsupportedModelError(f"{arch.architecture}: MTP quantization is not supported")
+    refuse_head_options(arch, draft_weights, quantize)
     name = f"model.layers.{arch.num_layers}.eh_proj.weight"
     assert arch.deepseek is not None, "a DeepSeek checkpoint"
     if not arch.deepseek.num_nextn_predict_layers or not store.has(name):

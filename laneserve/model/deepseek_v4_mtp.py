@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from laneserve.model.arch import ArchConfig, UnsupportedModelError
+from laneserve.model.deepseek_mtp import refuse_head_options
 from laneserve.model.deepseek_v4 import DeepseekV4Model, V4Layer
 from laneserve.model.deepseek_v4_attention import LayerCaches, V4StepMetadata
 from laneserve.model.deepseek_v4_config import SLIDING
@@ -91,18 +92,11 @@ def load_deepseek_v4_mtp(
     draft_weights: str | None,
     quantize: str | None,
 ) -> DeepseekV4MtpHead:
-    arch = store.ckpt.arch
-    if draft_weights:
-        raise UnsupportedModelError(
-            f"{arch.architecture}: the draft comes from the checkpoint's own MTP layer; "
-            "separate draft_weights are not supported for this family"
-        )
-    if quantize:
-        raise UnsupportedModelError(f"{arch.architecture}: MTP quantization is not supported")
+    refuse_head_options(store.ckpt.arch, draft_weights, quantize)
     name = f"{PREFIX}.e_proj.weight"
     if not store.has(name):
         raise UnsupportedModelError(
             f"{store.ckpt.source} carries no MTP layer ({name}; the release layout's "
             '`mtp.0.*`): speculative method \'mtp\' needs one; use "method": "ngram"'
         )
-    return DeepseekV4MtpHead(arch, kernels, store, base)
+    return DeepseekV4MtpHead(store.ckpt.arch, kernels, store, base)

@@ -108,19 +108,26 @@ def test_sliding_window_keeps_the_margin() -> None:
     assert wide.block_ids(req2)[0][0] >= 0
 
 
+def tables_for(kv, n: int):  # -> per group [n, C] int64
+    """Each group's table for one request of up to 64 positions, one row per token."""
+    import torch
+
+    out = []
+    for g, blocks in zip(kv.groups, kv.num_blocks, strict=True):
+        cols = -(-64 // g.block_size)
+        row = torch.arange(cols + 1, dtype=torch.int64)
+        row[-1] = blocks  # the padding column: the group's scratch block
+        out.append(row[None].expand(n, -1))
+    return tuple(out)
+
+
 def _forward(model, kv, ids: list[int], start: int):  # -> hidden [T, H]
     import torch
 
     from laneserve.model.deepseek_v4_attention import V4StepMetadata
 
     n = len(ids)
-    tables = []
-    for g, blocks in zip(kv.groups, kv.num_blocks, strict=True):
-        cols = -(-64 // g.block_size)
-        row = torch.arange(cols + 1, dtype=torch.int64)
-        row[-1] = blocks  # the padding column: the group's scratch block
-        tables.append(row[None].expand(n, -1))
-    meta = V4StepMetadata(tuple(tables), start + n + 1)
+    meta = V4StepMetadata(tables_for(kv, n), start + n + 1)
     positions = torch.arange(start, start + n)
     hidden, _ = model.forward(torch.tensor(ids), positions, meta, kv.layers)
     return hidden

@@ -19,7 +19,9 @@ from laneserve.model.deepseek_v4_mtp import DeepseekV4MtpHead, load_deepseek_v4_
 from laneserve.model.loader import WeightStore, resolve_checkpoint
 from laneserve.worker.kv_cache import KvCache
 from tests.e2e.test_tiny_models import run
+from tests.models.test_deepseek_mtp import _spec
 from tests.models.test_deepseek_v4 import GREEDY, check_against_hf, prompts_of
+from tests.models.test_deepseek_v4_cache import tables_for
 from tests.models.tiny_deepseek_v4 import add_v4_mtp_layer, hf_mtp_reference, to_release_layout
 
 
@@ -27,17 +29,6 @@ from tests.models.tiny_deepseek_v4 import add_v4_mtp_layer, hf_mtp_reference, to
 def with_mtp(deepseek_v4_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     release = to_release_layout(deepseek_v4_model, tmp_path_factory.mktemp("v4mtp") / "r")
     return add_v4_mtp_layer(release, seed=7)
-
-
-def _tables(kv: KvCache, n: int) -> tuple[torch.Tensor, ...]:
-    """Each group's table for one request of up to 64 positions, one row per token."""
-    out = []
-    for g, blocks in zip(kv.groups, kv.num_blocks, strict=True):
-        cols = -(-64 // g.block_size)
-        row = torch.arange(cols + 1, dtype=torch.int64)
-        row[-1] = blocks  # the padding column: the group's scratch block
-        out.append(row[None].expand(n, -1))
-    return tuple(out)
 
 
 def _hf_logits(ref_dir: Path, x_in: torch.Tensor) -> torch.Tensor:
@@ -78,7 +69,7 @@ def test_mtp_logits_equal_transformers_block(with_mtp: Path, tmp_path: Path) -> 
     kv = KvCache.allocate(groups, [32] * len(groups), 0, cpu, torch.float32)
     ids = torch.tensor(prompts_of([30], seed=8)[0])  # past the window (8): it slides
     n = ids.shape[0]
-    tables = _tables(kv, n)
+    tables = tables_for(kv, n)
     _, streams = base.forward(ids, torch.arange(n), V4StepMetadata(tables, n + 1), kv.layers)
     assert streams.shape == (n, ckpt.arch.v4.hc_mult * ckpt.arch.hidden_size)
     meta = DeepseekV4MtpHead.step_metadata(tables[-1][: n - 1], n)
@@ -99,10 +90,6 @@ def test_mtp_logits_equal_transformers_block(with_mtp: Path, tmp_path: Path) -> 
     want = _hf_logits(hf_mtp_reference(with_mtp, tmp_path / "ref"), e[:, None, :] + hs)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
     assert torch.equal(head.draft(out)[:, 0], want.argmax(-1))
-
-
-def _spec(k: int) -> dict:
-    return {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}}
 
 
 @pytest.mark.parametrize("k", [1, 2])
