@@ -7,7 +7,7 @@ minute it prints the requests sent, the answers by HTTP status, p50 / p99
 latency of the completed requests, and the RSS of the server and of its
 worker process. When the traffic stops it waits for the engine to drain and
 checks that running / waiting are 0 and the KV cache is empty (no leaked
-blocks), and reports RSS growth after the first (warm-up) minute.
+blocks), and reports RSS growth after the warm-up minutes (`--warmup-minutes`).
 
     python benchmarks/soak.py --minutes 30 --concurrency 8            # starts a server
     python benchmarks/soak.py --server-arg=--num-kv-blocks=1024       # a smaller KV cache
@@ -15,7 +15,7 @@ blocks), and reports RSS growth after the first (warm-up) minute.
 
 The KV cache is allocated untouched: the worker's RSS grows as blocks are first written,
 until every block has been used once (with the default budget that takes many minutes;
-a small `--num-kv-blocks` gets it done within the warm-up minute). Exit status 1 if any
+with `--num-kv-blocks=1024` about four), so growth counts from the end of the warm-up. Exit status 1 if any
 5xx was seen or the engine did not drain.
 """
 
@@ -108,7 +108,9 @@ async def one(client: httpx.AsyncClient, rng: random.Random, model: str, m: Minu
         m.latencies.append(time.monotonic() - start)
 
 
-async def traffic(url: str, model: str, minutes: float, concurrency: int, pids: list[int]) -> bool:
+async def traffic(
+    url: str, model: str, minutes: float, concurrency: int, pids: list[int], warmup: int
+) -> bool:
     rng = random.Random(0)
     limits = httpx.Limits(max_connections=concurrency * 2)
     ok = True
@@ -122,7 +124,7 @@ async def traffic(url: str, model: str, minutes: float, concurrency: int, pids: 
                 await asyncio.gather(*(one(client, rng, model, m) for _ in range(concurrency)))
             minute_no += 1
             server_rss, worker_rss = rss_mb(pids[0]), sum(rss_mb(p) for p in pids[1:])
-            if minute_no == 1:
+            if minute_no == warmup:
                 rss_first = (server_rss, worker_rss)
             lat = sorted(m.latencies)
             p50 = statistics.median(lat) if lat else float("nan")
@@ -155,7 +157,7 @@ async def drained(url: str, limit_s: float = 60) -> bool:
                 s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
             }
             keys = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
-            left = {k: values.get(f"laneserve:{k}") for k in keys}
+            left = {k: values.get(f"vllm:{k}") for k in keys}
             if all(v == 0 for v in left.values()):
                 print(f"drained: {left}")
                 return True
@@ -194,6 +196,12 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--minutes", type=float, default=30)
     p.add_argument(
+        "--warmup-minutes",
+        type=int,
+        default=5,
+        help="RSS growth is reported from the end of this minute (the KV cache fills first)",
+    )
+    p.add_argument(
         "--server-arg",
         action="append",
         default=[],
@@ -209,7 +217,9 @@ def main() -> int:
         url, pid = ns.url, ns.pid
     try:
         pids = [pid, *children(pid)] if pid else []
-        ok = asyncio.run(traffic(url, ns.model_name, ns.minutes, ns.concurrency, pids))
+        ok = asyncio.run(
+            traffic(url, ns.model_name, ns.minutes, ns.concurrency, pids, ns.warmup_minutes)
+        )
     finally:
         if proc is not None:
             proc.terminate()
