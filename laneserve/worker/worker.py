@@ -19,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,24 +77,7 @@ class Worker:
         self.side_width = spec.num_candidates - 1 if spec else 0  # token tree alternatives
         store = WeightStore(self.ckpt, self.device, self.act_dtype)
         self.family = family_for(arch)
-        self.model = self.family.model_class(
-            arch,
-            self.kernels,
-            store,
-            self.device,
-            self.act_dtype,
-            self.max_model_len + self.max_spec + 2,
-        )
-        self.mtp = None
-        if spec is not None and spec.method == "mtp":
-            self.mtp = self.family.load_mtp(
-                store,
-                self.model,
-                self.kernels,
-                spec.draft_weights,
-                self.ckpt.known_name,
-                spec.quantization,
-            )
+        self.model, self.mtp = self._load_model(store)
         self.block_size = config.cache.block_size
         self.groups = self._cache_groups()
         self.num_blocks = self._num_blocks()
@@ -107,7 +91,33 @@ class Worker:
             arch.vocab_size,
             list(arch.eos_token_ids),
         )
-        self.runner = ModelRunner(
+        self.runner = self._build_runner()
+        self.input_slots, self.input_layout = self._inputs()
+        self.load_s = time.perf_counter() - start
+        self._log_ready()
+
+    # -- set-up ------------------------------------------------------------
+    def _load_model(self, store: WeightStore) -> tuple[Any, Any]:
+        """The family's model and, for MTP speculation, its draft head."""
+        arch, spec = self.ckpt.arch, self.config.speculative
+        model = self.family.model_class(
+            arch,
+            self.kernels,
+            store,
+            self.device,
+            self.act_dtype,
+            self.max_model_len + self.max_spec + 2,
+        )
+        if spec is None or spec.method != "mtp":
+            return model, None
+        mtp = self.family.load_mtp(
+            store, model, self.kernels, spec.draft_weights, self.ckpt.known_name, spec.quantization
+        )
+        return model, mtp
+
+    def _build_runner(self) -> ModelRunner:
+        vocab = self.ckpt.arch.vocab_size
+        return ModelRunner(
             self.model,
             self.kv,
             self.block_size,
@@ -115,29 +125,33 @@ class Worker:
             self.device,
             self.max_model_len,
             self.max_spec,
-            arch.vocab_size,
+            vocab,
             proposer=self._proposer(),
             side_width=self.side_width,
             grammars=self.grammars,
         )
-        sched = config.scheduler
-        max_rows = sched.max_num_seqs
-        self.input_slots = [InputSlot(i, sched.max_num_batched_tokens, max_rows) for i in range(2)]
+
+    def _inputs(self) -> tuple[list[InputSlot], InputLayout]:
+        """The two ping-pong input slots and the constant layout of every step's inputs."""
+        sched = self.config.scheduler
+        slots = [InputSlot(i, sched.max_num_batched_tokens, sched.max_num_seqs) for i in range(2)]
         self.shared_generator = torch.Generator(device=self.device)
-        self.shared_generator.manual_seed(config.model.seed)
-        self.input_layout = InputLayout(
+        self.shared_generator.manual_seed(self.config.model.seed)
+        layout = InputLayout(
             self.device,
-            arch.vocab_size,
+            self.ckpt.arch.vocab_size,
             tuple(self.num_blocks),  # per group: the scratch block id
             self.max_spec + 1,
             self.side_width,
             self.side_base,
             self.shared_generator,
         )
-        self.load_s = time.perf_counter() - start
+        return slots, layout
+
+    def _log_ready(self) -> None:
         log.info(
             "worker ready: %s %s on %s, %s KV blocks of %d tokens, kernels=%s, %.1f s",
-            arch.architecture,
+            self.ckpt.arch.architecture,
             str(self.ckpt.weight_dtype).removeprefix("torch."),
             self.device,
             self.num_blocks,
@@ -146,7 +160,6 @@ class Worker:
             self.load_s,
         )
 
-    # -- set-up ------------------------------------------------------------
     def _cache_groups(self) -> list[CacheGroupSpec]:
         """The family's cache groups: its layers, plus the MTP layer's own cache."""
         size = dtype_bytes(self.ckpt.weight_dtype)
