@@ -78,7 +78,7 @@ class EngineCore:
             self.config.cache.enable_prefix_caching,
             [g.block_size or ready.block_size for g in ready.cache_groups],
             [g.window for g in ready.cache_groups],
-            lookahead=_lookahead(self.config.speculative),
+            lookahead=read_lookahead(self.config.speculative),
         )
         spec = self.config.speculative
         self.scheduler = Scheduler(
@@ -245,7 +245,7 @@ __all__ = [
 ]
 
 
-def _lookahead(spec: object | None) -> int:
+def read_lookahead(spec: object | None) -> int:
     """Tokens below a request's computed count that the next step may still read: the
     step in flight's tokens and a rejection of all its drafts (two steps in flight)."""
     depth = int(getattr(spec, "depth", 0) or 0)

@@ -23,30 +23,84 @@ DEFAULT_KV_CACHE_GIB = 2.0
 LayerCache = tuple[torch.Tensor, ...]  # one layer's tensors: (K, V) or (latent,)
 
 
+@dataclass(frozen=True)
+class StepBounds:
+    """What bounds the positions a sliding-window group holds for one request: its
+    window, the positions the steps in flight may still read below the computed count
+    (`lookahead`) and the most positions one step adds (`step_tokens`), and never more
+    than the request's own length (`max_len`)."""
+
+    lookahead: int = 0
+    step_tokens: int = 0
+    max_num_seqs: int = 1
+    max_len: int = 1 << 40  # positions of one request (max_model_len + speculative tokens)
+
+    def held_blocks(self, group: CacheGroupSpec) -> int:
+        """The most blocks of `group` (a sliding window) one request holds at once."""
+        span = min(group.window + self.lookahead + self.step_tokens, self.max_len)
+        return -(-span // group.block_size) + 1  # NOTE: + 1: the span need not align
+
+
 def num_blocks_for(
     groups: list[CacheGroupSpec],
     budget_bytes: int | None,
     fixed: int | None,
     block_size: int,
     max_model_len: int,
+    bounds: StepBounds | None = None,
 ) -> list[int]:
-    """Blocks per group. Every group keeps an entry for every token of a request, so a
-    budget buys `budget / sum(bytes per token)` tokens, and each group gets the blocks
-    that hold that many tokens. `fixed` (a block count) applies to every group."""
+    """Blocks per group. A budget buys `budget / sum(bytes per token)` token positions
+    and each group gets the blocks that hold that many, except that a sliding-window
+    group (with `bounds`) gets no more than its running requests can hold at once; the
+    bytes it leaves go to the other groups. `fixed` (a block count) applies to every
+    group."""
+    caps = _sliding_caps(groups, bounds)
     if fixed is not None:
         counts = [fixed for _ in groups]
     else:
         budget = budget_bytes if budget_bytes is not None else int(DEFAULT_KV_CACHE_GIB * 2**30)
         tokens = int(budget // sum(g.bytes_per_token for g in groups))
-        counts = [tokens // g.block_size for g in groups]
-    least, size = min((n * g.block_size, g.block_size) for n, g in zip(counts, groups, strict=True))
-    if least < max_model_len:
-        raise ValueError(
-            f"the KV cache holds {least // size} blocks = {least} tokens, fewer than "
-            f"max_model_len={max_model_len}; raise --kv-cache-memory / --num-kv-blocks "
-            "or lower --max-model-len"
-        )
+        counts = [min(tokens // g.block_size, caps.get(i, 1 << 62)) for i, g in enumerate(groups)]
+        capped = [i for i in caps if counts[i] < tokens // groups[i].block_size]
+        if capped:
+            rest = [i for i in range(len(groups)) if i not in capped]
+            spent = sum(counts[i] * groups[i].bytes_per_block for i in capped)
+            more = int((budget - spent) // sum(groups[i].bytes_per_token for i in rest))
+            for i in rest:
+                counts[i] = more // groups[i].block_size
+    _check_one_request(groups, counts, max_model_len, bounds)
     return counts
+
+
+def _sliding_caps(groups: list[CacheGroupSpec], bounds: StepBounds | None) -> dict[int, int]:
+    if bounds is None:
+        return {}
+    return {
+        i: bounds.max_num_seqs * bounds.held_blocks(g)
+        for i, g in enumerate(groups)
+        if g.kind == "sliding_window" and g.window > 0
+    }
+
+
+def _check_one_request(
+    groups: list[CacheGroupSpec], counts: list[int], max_model_len: int, bounds: StepBounds | None
+) -> None:
+    """Every group must hold one request of max_model_len (a sliding window: its span)."""
+    for g, n in zip(groups, counts, strict=True):
+        sliding = bounds is not None and g.kind == "sliding_window" and g.window > 0
+        if sliding and bounds is not None:
+            if n < bounds.held_blocks(g):
+                raise ValueError(
+                    f"the KV cache holds {n} blocks for the {g.name!r} window, fewer than one "
+                    f"request needs ({bounds.held_blocks(g)}); raise --kv-cache-memory / "
+                    "--num-kv-blocks"
+                )
+        elif n * g.block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {n} blocks = {n * g.block_size} tokens, fewer than "
+                f"max_model_len={max_model_len}; raise --kv-cache-memory / --num-kv-blocks "
+                "or lower --max-model-len"
+            )
 
 
 @dataclass

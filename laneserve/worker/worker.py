@@ -25,6 +25,7 @@ import torch
 
 from laneserve import protocol
 from laneserve.config import EngineConfig
+from laneserve.core.engine_core import read_lookahead
 from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.kernels import get_kernels
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
@@ -40,7 +41,7 @@ from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
 from laneserve.structured.matchers import GrammarBook
 from laneserve.worker.failures import StepFailure, failed_result, handles_of, salvage
 from laneserve.worker.input_batch import InputSlot, RequestTable
-from laneserve.worker.kv_cache import KvCache, num_blocks_for
+from laneserve.worker.kv_cache import KvCache, StepBounds, num_blocks_for
 from laneserve.worker.model_runner import ModelRunner
 from laneserve.worker.step_inputs import InputLayout, StepInputs, build_inputs
 from laneserve.worker.step_outputs import DeviceOutputs
@@ -192,12 +193,15 @@ class Worker:
         budget = int(gib * 2**30) if gib else None
         if cache.gpu_memory_utilization is not None:
             budget = kv_budget_from_utilization(self.device, cache.gpu_memory_utilization)
+        sched = self.config.scheduler
+        bounds = StepBounds(
+            read_lookahead(self.config.speculative),
+            sched.max_num_batched_tokens,
+            sched.max_num_seqs,
+            self.max_model_len + self.max_spec + 1,
+        )
         return num_blocks_for(
-            self.groups,
-            budget,
-            cache.num_kv_blocks,
-            self.block_size,
-            self.max_model_len,
+            self.groups, budget, cache.num_kv_blocks, self.block_size, self.max_model_len, bounds
         )
 
     def _allocate_cache(self) -> KvCache:

@@ -37,6 +37,27 @@ def test_blocks_from_a_budget() -> None:
         num_blocks_for(groups, 2**20, None, 16, 2048)
 
 
+def test_sliding_window_group_sized_by_its_window() -> None:
+    """A full group of 100 bytes per token and a sliding group of 50 (window 64, 16-token
+    blocks): 1 MiB split by bytes per token would give each 6990 tokens; 4 requests of
+    steps up to 32 tokens and lookahead 5 hold at most ceil((64 + 5 + 32) / 16) + 1 = 8
+    blocks each of the window, so it gets 32 blocks and the full group the rest."""
+    from laneserve.core.kv_cache_manager import CacheGroupSpec
+    from laneserve.worker.kv_cache import StepBounds
+
+    full = CacheGroupSpec("full", "full_attention", 16, 1, 1, (25,), 4)
+    window = CacheGroupSpec("swa", "sliding_window", 16, 1, 1, (25,), 2, window=64)
+    assert (full.bytes_per_token, window.bytes_per_token) == (100, 50)
+    bounds = StepBounds(lookahead=5, step_tokens=32, max_num_seqs=4)
+    assert num_blocks_for([full, window], 2**20, None, 16, 512) == [436, 436]
+    # 32 window blocks = 32 * 800 bytes; (1 MiB - 25 600) / 100 bytes = 10 229 tokens
+    assert num_blocks_for([full, window], 2**20, None, 16, 512, bounds) == [639, 32]
+    # a small budget: the proportional share is below the cap and stays
+    assert num_blocks_for([full, window], 2**15, None, 16, 128, bounds) == [13, 13]
+    with pytest.raises(ValueError, match="'swa' window"):
+        num_blocks_for([full, window], 2**20, 7, 16, 64, bounds)
+
+
 def test_llama_group_keeps_k_and_v() -> None:
     cfg = {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 64,
