@@ -106,7 +106,9 @@ class V4Attention:
         kv = self.rope(self.kv_norm(self.wkv(x))[:, None], positions)[:, 0]  # [T, D]
         swa_table = meta.tables[cache.swa_group]
         flat = cache.swa.view(-1, p.head_dim)
-        flat.index_copy_(0, entry_slots(swa_table, positions, 1, cache.swa.shape[1]), kv)
+        flat.index_copy_(
+            0, entry_slots(swa_table, positions, 1, cache.swa.shape[1]), kv.to(flat.dtype)
+        )
         keys, mask = self._window(flat, swa_table, positions, cache.swa.shape[1])
         if self.compressor is not None:
             ck, cmask = self.compressor(x, xq, positions, cache, meta)
@@ -115,7 +117,11 @@ class V4Attention:
         o = self._attend(q, keys, mask)  # [T, H, D]
         o = self.rope(o, positions, inverse=True)
         grouped = o.reshape(t, p.o_groups, -1)
-        y = torch.einsum("tgi,gri->tgr", grouped, self.wo_a).reshape(t, -1)
+        y = (
+            torch.einsum("tgi,gri->tgr", grouped.to(self.wo_a.dtype), self.wo_a)
+            .reshape(t, -1)
+            .to(x.dtype)
+        )
         return self.wo_b(y)
 
     def _window(

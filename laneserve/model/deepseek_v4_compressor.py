@@ -128,7 +128,9 @@ class Compressor:
         entry_table = meta.tables[cache.entries_group]
         state = cache.state.view(-1, cache.state.shape[-1])
         epb_s = cache.state.shape[1]
-        state.index_copy_(0, entry_slots(state_table, positions, 1, epb_s), self.proj(x))
+        state.index_copy_(
+            0, entry_slots(state_table, positions, 1, epb_s), self.proj(x).to(state.dtype)
+        )
         entries = cache.entries.view(-1, cache.entries.shape[-1])
         epb_e = cache.entries.shape[1]
         self._close_windows(state, state_table, epb_s, positions, entries, entry_table, epb_e)

@@ -141,3 +141,13 @@ def test_fp8_and_fp4_release_weights_dequantize_at_load(
     with LLM(str(quant), dtype="float32") as llm:
         got = run(llm, prompts, GREEDY)
     check_against_hf(reference, prompts, got)
+
+
+def test_bfloat16_run_generates(deepseek_v4_model: Path) -> None:
+    """bf16 weights and cache with fp32 activations (the CPU default): every cache write
+    and raw-weight product casts to the right dtype, so requests finish (no failed step)."""
+    prompts = prompts_of([37, 9], seed=6)
+    with LLM(str(deepseek_v4_model), dtype="bfloat16") as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for o in outs:
+        assert o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == N
