@@ -11,7 +11,7 @@ streams of its own:
 `s'` feeds the next depth, as the V3 layer's normed output does. The head's cache
 group (`"mtp"`) is a sliding window of K = V entries, like the target's `swa` group.
 The head has the interface of `model/mtp.py`'s head, and it builds its attention
-metadata itself (`step_metadata`, `rows_metadata`): V4 attention reads a block table
+metadata itself (`step_metadata`): V4 attention reads a block table
 per token, not the paged-attention metadata of the other families.
 """
 
