@@ -5,11 +5,15 @@ A random mid-size checkpoint (V3: MLA, routed MoE, yarn rope; V4: sliding / CSA 
 attention, hyper-connections, hash and scored MoE) is built once in a temporary
 directory; greedy generation of a fixed number of tokens (EOS ignored) at each batch
 size runs in laneserve and in transformers in the same process, and the ratios are
-printed. For V3 a second, 1-layer checkpoint whose MTP layer predicts the target
-exactly measures MTP (k = 1) against no speculation at batch 1.
+printed. For V3 a second checkpoint of the same depth whose MTP layer predicts the
+target exactly measures MTP (k = 1) against no speculation at batch 1: its first layer
+decides the next token, the others are inert (zeroed output projections, full cost), so
+the draft costs one layer of the target's eight, as DeepSeek V3's one MTP layer costs
+one of its 61 layers (`--mtp-inert-layers 0`: a 1-layer target, draft as costly as it).
 
     .venv/bin/python benchmarks/bench_deepseek.py                 # V3, bf16, batch 1 / 8 / 32
     .venv/bin/python benchmarks/bench_deepseek.py --family v4 --max-tokens 32
+    .venv/bin/python benchmarks/bench_deepseek.py --family v4 --batches 1 --profile-dir /tmp/v4
     .venv/bin/python benchmarks/bench_deepseek.py --quick         # tiny fp32 smoke run
     .venv/bin/python benchmarks/bench_deepseek.py --batches 8,32 --max-tokens 32 --repeats 3
 
@@ -33,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from laneserve import LLM, SamplingParams
+from laneserve.obs.trace_analysis import report
 from tests.models.tiny_deepseek_v4 import V4_LAYER_TYPES, build_tiny_deepseek_v4
 from tests.tiny_models import build_exact_deepseek_mtp, build_tiny_deepseek
 
@@ -114,6 +119,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per case; the best counts")
     ap.add_argument("--no-mtp", action="store_true", help="skip the MTP-vs-no-speculation part")
     ap.add_argument("--family", default="v3", choices=["v3", "v4"])
+    ap.add_argument(
+        "--profile-dir",
+        default=None,
+        help="also run batch 1 once traced into this directory and print the trace analysis",
+    )
+    ap.add_argument(
+        "--mtp-inert-layers",
+        type=int,
+        default=None,
+        help="inert layers after the exact-MTP target's first (default: the config's depth - 1)",
+    )
     args = ap.parse_args()
     v4 = args.family == "v4"
     cfg, dtype, batches = (
@@ -136,9 +152,17 @@ def main() -> None:
         rows.append({"batch": b, "laneserve_tok_s": round(ours, 1),
                      "transformers_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 2)})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
+    if args.profile_dir:
+        one = prompts(1, args.prompt_len, cfg["vocab_size"])
+        laneserve_tok_s(model, dtype, one, args.max_tokens, profile_dir=args.profile_dir)
+        print(report([args.profile_dir], max_rows=0), flush=True)
     if args.no_mtp or v4:  # NOTE: no exact-MTP construction for V4
         return
-    exact = build_exact_deepseek_mtp(root / "exact", **{**cfg, "num_nextn_predict_layers": 1})
+    depth = cfg.get("num_hidden_layers", 3)  # the tiny config has 3
+    inert = depth - 1 if args.mtp_inert_layers is None else args.mtp_inert_layers
+    exact = build_exact_deepseek_mtp(
+        root / "exact", inert_layers=inert, **{**cfg, "num_nextn_predict_layers": 1}
+    )
     one = prompts(1, args.prompt_len, cfg["vocab_size"], seed=1)
     plain, _ = laneserve_tok_s(exact, dtype, one, args.max_tokens, args.repeats)
     spec = {"method": "mtp", "num_speculative_tokens": 1}
@@ -147,7 +171,8 @@ def main() -> None:
     )
     accepted = stats["spec_num_accepted"] / max(stats["spec_num_drafts"], 1)
     print(json.dumps({"mtp_k1_tok_s": round(mtp, 1), "no_spec_tok_s": round(plain, 1),
-                      "ratio": round(mtp / plain, 2), "acceptance": round(accepted, 3)}))  # fmt: skip
+                      "ratio": round(mtp / plain, 2), "acceptance": round(accepted, 3),
+                      "target_layers": 1 + inert}))  # fmt: skip
 
 
 if __name__ == "__main__":

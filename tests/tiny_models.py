@@ -388,22 +388,38 @@ def add_mtp_layer(model_dir: Path, *, seed: int = 0, exact_of: int | None = None
 
 
 def build_exact_deepseek_mtp(
-    out: Path, seed: int = 0, *, keep_attention: bool = False, **overrides: object
+    out: Path,
+    seed: int = 0,
+    *,
+    keep_attention: bool = False,
+    inert_layers: int = 0,
+    **overrides: object,
 ) -> Path:
     """A 1-layer V3 whose attention output is zero (the next token depends only on the
     current one; embedding rows of RMS 1), with an MTP layer that copies its layer: the
     draft equals the target's next prediction (100 % acceptance). With `keep_attention`
     the attention stays: the copy then drafts the target's token most of the time (its
-    attention sees the sequence shifted by one position), and its runners-up often."""
+    attention sees the sequence shifted by one position), and its runners-up often.
+    `inert_layers` more decoder layers follow the first with their attention and MLP
+    output projections zeroed: they leave the residual stream unchanged (the draft stays
+    exact) but cost a full layer each, so the target-to-draft cost ratio is that of a
+    deep model."""
     from safetensors.torch import load_file, save_file
 
-    overrides = {**overrides, "num_hidden_layers": 1, "first_k_dense_replace": 0}
+    layers = 1 + inert_layers
+    overrides = {**overrides, "num_hidden_layers": layers, "first_k_dense_replace": 0}
     build_tiny_deepseek(out, 3, seed=seed, **overrides)
     w = load_file(str(out / "model.safetensors"))
     emb = w["model.embed_tokens.weight"]
     w["model.embed_tokens.weight"] = emb / emb.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
-    if not keep_attention:
-        w["model.layers.0.self_attn.o_proj.weight"].zero_()
+    inert = tuple(f"model.layers.{i}." for i in range(1, layers))
+    for name, t in w.items():
+        outputs = name.endswith(("o_proj.weight", "down_proj.weight"))
+        if outputs and (
+            name.startswith(inert)
+            or (not keep_attention and name.startswith("model.layers.0.self_attn.o_proj"))
+        ):
+            t.zero_()
     save_file(w, str(out / "model.safetensors"))
     return add_mtp_layer(out, exact_of=0)
 

@@ -90,9 +90,11 @@ def test_speculative_greedy_equals_plain(with_mtp: Path, k: int, async_schedulin
         assert g == hf_greedy(with_mtp, p, 24)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_exact_mtp_layer_accepted_fully(tmp_path: Path, async_scheduling: bool) -> None:
-    d = build_exact_deepseek_mtp(tmp_path / "exact")
+@pytest.mark.parametrize(("async_scheduling", "inert_layers"), [(False, 0), (True, 0), (True, 2)])
+def test_exact_mtp_layer_accepted_fully(
+    tmp_path: Path, async_scheduling: bool, inert_layers: int
+) -> None:
+    d = build_exact_deepseek_mtp(tmp_path / "exact", inert_layers=inert_layers)
     prompts = mixed_prompts(3, seed=12, lo=3, hi=20)
     with LLM(str(d), dtype="float32", async_scheduling=async_scheduling, **_spec(2)) as llm:
         got = run(llm, prompts)
