@@ -102,8 +102,8 @@ def print_linear_table(rows: list[Row]) -> None:
 def bench_prefill_linear(
     ck: CpuKernels, name: str, m: int, bursts: int
 ) -> dict[str, tuple[float, float]]:
-    """bf16 weights at M prompt rows: the decode kernel (fp32 activations), the AMX
-    prefill path (rows rounded to bf16) and torch's bf16 F.linear (oneDNN), the last
+    """bf16 weights at M prompt rows: the decode kernel (fp32 activations), the prompt-row
+    path (AMX or AVX-512 BF16 dot products, rows rounded to bf16) and torch's bf16 F.linear (oneDNN), the last
     including the activation's conversion to bf16 and the output's back to fp32."""
     k, n = LINEARS[name]
     copies = max(2, math.ceil(COLD_BYTES / (n * k * 2)))
@@ -117,8 +117,9 @@ def bench_prefill_linear(
         "decode kernel": lambda: ck.linear(x, nxt_p()),
         "F.linear bf16": lambda: F.linear(x.bfloat16(), nxt_w()).float(),
     }
-    if ck.amx:
-        impls["amx prefill"] = lambda: ck.linear(x, nxt_p(), first_prefill=0)
+    if ck.amx or ck.dpbf16:
+        path = "amx" if ck.amx else "avx512_bf16"
+        impls[f"{path} prefill"] = lambda: ck.linear(x, nxt_p(), first_prefill=0)
     out = {}
     for impl, fn in impls.items():
         t = best_time(fn, bursts, per_burst)

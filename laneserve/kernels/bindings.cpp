@@ -12,8 +12,8 @@ TORCH_LIBRARY(laneserve, m) {
       "linear(Tensor x, Tensor w, int out_features, Tensor? bias, int isa, "
       "Tensor? scale=None) -> Tensor");
   m.def(
-      "linear_prefill(Tensor x, Tensor w, int out_features, Tensor? bias, int first_prefill) "
-      "-> Tensor");
+      "linear_prefill(Tensor x, Tensor w, int out_features, Tensor? bias, int first_prefill, "
+      "int method=0) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor w, int out_features, int qtype, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

@@ -44,6 +44,7 @@ SOURCES = tuple(
     for name in (
         "linear.cpp",
         "linear_amx.cpp",
+        "linear_dpbf16.cpp",
         "quant_linear.cpp",
         "elementwise.cpp",
         "attention.cpp",
@@ -54,7 +55,9 @@ SOURCES = tuple(
 )
 # Headers the sources include: part of the build key (ninja tracks them too, but the key
 # picks the build directory, and a stale directory must never be reused).
-HEADERS = tuple(KERNEL_DIR / name for name in ("vec.h", "ops.h", "attention_tile.h"))
+HEADERS = tuple(
+    KERNEL_DIR / name for name in ("vec.h", "ops.h", "attention_tile.h", "linear_prefill.h")
+)
 DISABLE_ENV = "LANESERVE_DISABLE_KERNELS"
 CACHE_ENV = "LANESERVE_CACHE_DIR"
 ISA_ENV = "LANESERVE_KERNEL_ISA"
@@ -63,6 +66,9 @@ AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw"})
 ISAS = ("avx2", "avx512")
 AMX_ENV = "LANESERVE_KERNEL_AMX"  # "0": prefill rows use the decode kernel even with AMX
 AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+DPBF16_ENV = "LANESERVE_KERNEL_DPBF16"  # "0": no AVX-512 BF16 prompt-row path
+DPBF16_CPU_FLAG = "avx512_bf16"
+_OFF = ("0", "false", "no", "off")
 
 # NOTE: -ffp-contract=off: the kernels place every FMA explicitly; letting the compiler
 # contract a*b+c elsewhere would make scalar tails differ from vector bodies and from
@@ -102,6 +108,7 @@ class KernelLib:
     ops: Any  # torch.ops.laneserve namespace
     isa: str = "avx2"  # linear's instruction set: "avx2" | "avx512" (see linear_isa)
     amx: bool = False  # prefill rows of bf16 linears use AMX (see prefill_amx)
+    dpbf16: bool = False  # ... or, without AMX, AVX-512 BF16 dot products (prefill_dpbf16)
 
     def op(self, name: str) -> Any:
         return getattr(self.ops, name)
@@ -153,9 +160,18 @@ def prefill_amx(isa: str) -> bool:
     """True where prefill rows of bf16 linears take the AMX path (``linear_prefill``): the
     CPU has amx_tile + amx_bf16, ``isa`` is "avx512" (its bf16 layout is what the AMX
     kernel reads) and ``LANESERVE_KERNEL_AMX`` is not "0"."""
-    if os.environ.get(AMX_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(AMX_ENV, "").strip().lower() in _OFF:
         return False
     return isa == "avx512" and (cpu_flags() or set()) >= AMX_CPU_FLAGS
+
+
+def prefill_dpbf16(isa: str, amx: bool) -> bool:
+    """True where prefill rows of bf16 linears take the AVX-512 BF16 dot-product path
+    (``linear_prefill`` method 1): no AMX path, ``isa`` is "avx512", the CPU has
+    avx512_bf16 and ``LANESERVE_KERNEL_DPBF16`` is not "0"."""
+    if amx or os.environ.get(DPBF16_ENV, "").strip().lower() in _OFF:
+        return False
+    return isa == "avx512" and DPBF16_CPU_FLAG in (cpu_flags() or set())
 
 
 def read_sources(directory: Path = KERNEL_DIR) -> dict[str, str]:
@@ -336,7 +352,10 @@ def load_kernels() -> KernelLib | None:
     isa = linear_isa()
     name = extension_name(read_sources())
     lib = _build_and_load(name, str(cache_root() / name))
-    return dataclasses.replace(lib, isa=isa, amx=prefill_amx(isa)) if lib is not None else None
+    if lib is None:
+        return None
+    amx = prefill_amx(isa)
+    return dataclasses.replace(lib, isa=isa, amx=amx, dpbf16=prefill_dpbf16(isa, amx))
 
 
 @functools.cache

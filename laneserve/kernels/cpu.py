@@ -61,6 +61,9 @@ class CpuKernels:
         self.isa = lib.isa  # linear's instruction set; both give the same bits
         self._isa = _ISA_CODE[lib.isa]
         self.amx = lib.amx  # prefill rows of bf16 linears use AMX tiles (linear_amx.cpp)
+        self.dpbf16 = lib.dpbf16  # ... or AVX-512 BF16 dot products (linear_dpbf16.cpp)
+        # linear_prefill's method: 0 AMX, 1 AVX-512 BF16; None: prompt rows as decode rows
+        self._prefill_method = 0 if lib.amx else 1 if lib.dpbf16 else None
 
     def pack_linear_weight(self, w: torch.Tensor, quantize: str | None = None) -> PackedWeight:
         weights.check_weight(w, quantize)
@@ -89,11 +92,13 @@ class CpuKernels:
     ) -> torch.Tensor:  # [M, N] float32
         if (
             first_prefill is not None
-            and self.amx
+            and self._prefill_method is not None
             and w.dtype == torch.bfloat16
             and first_prefill < x.shape[0]
         ):
-            return self._linear_prefill(x, w.data, w.out_features, bias, first_prefill)
+            return self._linear_prefill(
+                x, w.data, w.out_features, bias, first_prefill, self._prefill_method
+            )
         if w.dtype is torch.uint8:  # GGUF blocks (pack_gguf_weight)
             return self._quant_linear(x, w.data, w.out_features, _GGUF_LAYOUT[w.layout], bias)
         return self._linear(x, w.data, w.out_features, bias, self._isa, w.scale)

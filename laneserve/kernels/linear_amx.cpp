@@ -1,9 +1,10 @@
-// linear_prefill: the compute-bound linear for prompt (prefill) rows on CPUs with AMX
-// (amx_tile + amx_bf16). Rows [0, first_prefill) are the decode-like rows and go through
-// `linear` (linear.cpp) unchanged; rows [first_prefill, M) are rounded to bf16 and
-// multiplied with AMX tile dot products (tdpbf16ps, fp32 accumulation).
+// linear_prefill: the compute-bound linear for prompt (prefill) rows. Rows
+// [0, first_prefill) are the decode-like rows and go through `linear` (linear.cpp)
+// unchanged; rows [first_prefill, M) are rounded to bf16 and multiplied by one of two
+// backends (`method`): AMX tile dot products (tdpbf16ps, fp32 accumulation; this file)
+// on CPUs with amx_tile + amx_bf16, or AVX-512 BF16 dot products (linear_dpbf16.cpp).
 //
-// NOTE (row invariance): each prefill output element is the tdpbf16ps chain over
+// NOTE (row invariance, AMX backend): each prefill output element is the tdpbf16ps chain over
 // k-chunks of 32 (k = 0..31, 32..63, ...) starting from zero, then + bias. Rows of an A
 // tile never mix, M is padded with zero rows and K with zero columns, and threads split
 // output columns only, so a row's result does not depend on how many rows the call has,
@@ -16,6 +17,7 @@
 // each thread repacks one 32-column panel at a time into a small scratch (one vpermw per
 // 64 B) and reuses it across all row tiles: no second copy of the weights is kept.
 
+#include "linear_prefill.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -48,14 +50,6 @@ struct alignas(64) TileConfig {
   uint8_t reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
-};
-
-struct PrefillArgs {
-  const at::BFloat16* xb;  // [Mp, Kp] bf16, zero padded (Mp % 32 == 0, Kp % 32 == 0)
-  const at::BFloat16* w;   // pair layout [nblk, K2, 16], K2 = K + K % 2
-  const float* bias;       // [N] or nullptr
-  float* out;              // [rows, N] row-major (the prefill rows of the output)
-  int64_t rows, Mp, Kp, K2, N, nblk;
 };
 
 #pragma GCC push_options
@@ -153,7 +147,8 @@ void prefill_range(const PrefillArgs& a, int64_t p0, int64_t p1) {
 }  // namespace
 
 at::Tensor linear_prefill(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
-                          const std::optional<at::Tensor>& bias_in, int64_t first_prefill) {
+                          const std::optional<at::Tensor>& bias_in, int64_t first_prefill,
+                          int64_t method) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
               "linear_prefill: x must be a 2-D float32 tensor");
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kNB && w.is_contiguous() &&
@@ -167,7 +162,10 @@ at::Tensor linear_prefill(const at::Tensor& x_in, const at::Tensor& w, int64_t n
               "linear_prefill: out_features inconsistent with the packed weight");
   TORCH_CHECK(first_prefill >= 0 && first_prefill <= M, "linear_prefill: first_prefill ",
               first_prefill, " outside [0, ", M, "]");
-  TORCH_CHECK(amx_permitted(), "linear_prefill: the OS refused the AMX tile state");
+  TORCH_CHECK(method == kPrefillAmx || method == kPrefillDpbf16,
+              "linear_prefill: unknown method ", method);
+  TORCH_CHECK(method != kPrefillAmx || amx_permitted(),
+              "linear_prefill: the OS refused the AMX tile state");
   at::Tensor bias;
   if (bias_in.has_value() && bias_in->defined()) {
     bias = bias_in->contiguous();
@@ -191,6 +189,10 @@ at::Tensor linear_prefill(const at::Tensor& x_in, const at::Tensor& w, int64_t n
                       bias.defined() ? bias.data_ptr<float>() : nullptr,
                       out.data_ptr<float>() + first_prefill * n_out,
                       rows, Mp, Kp, K2, n_out, nblk};
+  if (method == kPrefillDpbf16) {
+    prefill_dpbf16(a);
+    return out;
+  }
   const int64_t panels = (nblk + 1) / 2;
   // NOTE: threads split panels (output columns) only, never K or rows' reductions.
   at::parallel_for(0, panels, 1, [&](int64_t lo, int64_t hi) { prefill_range(a, lo, hi); });

@@ -18,9 +18,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
                   const std::optional<at::Tensor>& bias_in, int64_t isa,
                   const std::optional<at::Tensor>& scale_in);
 
-// linear_amx.cpp
+// linear_amx.cpp (its dot-product backend: linear_dpbf16.cpp)
 at::Tensor linear_prefill(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
-                          const std::optional<at::Tensor>& bias_in, int64_t first_prefill);
+                          const std::optional<at::Tensor>& bias_in, int64_t first_prefill,
+                          int64_t method);
 // quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
                         int64_t qtype, const std::optional<at::Tensor>& bias_in);

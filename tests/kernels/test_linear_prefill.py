@@ -1,25 +1,56 @@
-"""linear with prompt rows (``first_prefill``): the AMX prefill path of CpuKernels.
+"""linear with prompt rows (``first_prefill``): the prompt-row paths of CpuKernels, AMX
+tiles and AVX-512 BF16 dot products, each tested where the CPU has it.
 
 Decode-like rows keep the decode kernel's bits; prompt rows are rounded to bf16 and
-multiplied on AMX tiles, and each row's result is independent of the other rows.
+multiplied by the path's dot products, and each row's result is independent of the
+other rows.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from laneserve.kernels import CpuKernels, TorchKernels
+from laneserve.kernels.build import DPBF16_CPU_FLAG, DPBF16_ENV, cpu_flags, prefill_dpbf16
 from tests.kernels.helpers import randn
 
 SHAPES = [(960, 576), (37, 45), (100, 33), (48, 64), (576, 1536)]  # odd K, N % 32 != 0
 
 
-@pytest.fixture(scope="module")
-def amx(ck: CpuKernels) -> CpuKernels:
-    if not ck.amx:
+@pytest.fixture(scope="module", params=["amx", "dpbf16"])
+def amx(ck: CpuKernels, request: pytest.FixtureRequest) -> CpuKernels:
+    """CpuKernels with one prompt-row path (the name is the first path's)."""
+    if request.param == "amx" and not ck.amx:
         pytest.skip("no AMX (amx_tile + amx_bf16) on this CPU, or LANESERVE_KERNEL_AMX=0")
-    return ck
+    if request.param == "dpbf16" and (
+        ck.isa != "avx512" or DPBF16_CPU_FLAG not in (cpu_flags() or set())
+    ):
+        pytest.skip("no avx512_bf16 on this CPU (or the avx2 isa)")
+    is_amx = request.param == "amx"
+    return CpuKernels(dataclasses.replace(ck.lib, amx=is_amx, dpbf16=not is_amx))
+
+
+def test_the_path_is_taken(amx: CpuKernels) -> None:
+    """Prompt rows do not take the decode kernel's bits (bf16-rounded activations)."""
+    w = randn(64, 96, seed=11).bfloat16()
+    pw = amx.pack_linear_weight(w)
+    x = randn(40, 96, seed=12)
+    assert not torch.equal(amx.linear(x, pw, first_prefill=0), amx.linear(x, pw))
+
+
+def test_the_dot_product_path_needs_avx512_bf16_and_no_amx(
+    ck: CpuKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    has_flag = DPBF16_CPU_FLAG in (cpu_flags() or set())
+    monkeypatch.delenv(DPBF16_ENV, raising=False)
+    assert prefill_dpbf16("avx512", amx=False) == has_flag
+    assert not prefill_dpbf16("avx512", amx=True)  # AMX wins where both exist
+    assert not prefill_dpbf16("avx2", amx=False)
+    monkeypatch.setenv(DPBF16_ENV, "0")
+    assert not prefill_dpbf16("avx512", amx=False)
 
 
 def bf16_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -75,7 +106,7 @@ def test_prompt_rows_are_row_invariant(amx: CpuKernels, n: int, k: int) -> None:
 
 
 def test_other_weights_ignore_first_prefill(ck: CpuKernels) -> None:
-    """fp32 / fp16 / int8 weights (and CPUs without AMX): every row takes the decode kernel."""
+    """fp32 / fp16 / int8 weights: every row takes the decode kernel."""
     x = randn(20, 64, seed=6)
     w = randn(48, 64, seed=7)
     for pw in (
