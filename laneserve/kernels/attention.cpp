@@ -224,7 +224,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hk = k_cache.size(2), bs = k_cache.size(1);
   TORCH_CHECK(k_cache.size(3) == D, "paged_attention: head_dim mismatch");
-  TORCH_CHECK(D % 8 == 0 && D / 8 <= kMaxDV, "paged_attention: head_dim must be a multiple of 8");
+  TORCH_CHECK(D % 8 == 0 && D / 8 <= kMaxDV, "paged_attention: head_dim must be a multiple of 8 "
+              "and at most ", 8 * kMaxDV, ", got ", D);
   TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "paged_attention: Hq must be a multiple of Hk");
   TORCH_CHECK(bt.dim() == 2, "paged_attention: block_tables must be [S, max_blocks]");
   const int64_t S = seq_lens.numel();

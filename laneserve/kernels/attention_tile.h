@@ -34,7 +34,7 @@ namespace laneserve {
 // dot products and undone when the output is stored.
 
 constexpr int kKeyTile = 32;
-constexpr int kMaxDV = 64;            // head_dim <= 512
+constexpr int kMaxDV = 72;            // head_dim <= 576 (DeepSeek V3's MLA latent)
 constexpr int kUnpackLaneCol[kNB] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
 template <typename CT>

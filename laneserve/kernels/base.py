@@ -37,6 +37,9 @@ from laneserve.kernels.weights import PackedWeight
 # uses one code path (and per-element FMA order) for every M, so it is in fact invariant
 # beyond this too; the contract stops here so a faster prefill path may be added later.
 BATCH_INVARIANT_MAX_M = 64
+# Largest head_dim CpuKernels.paged_attention runs itself (attention_tile.h kMaxDV * 8):
+# DeepSeek V3's MLA latent of 512 + 64 values. Larger ones take the reference.
+PAGED_ATTENTION_MAX_HEAD_DIM = 576
 
 
 @runtime_checkable
@@ -130,7 +133,8 @@ class Kernels(Protocol):
         position. last_slot [S] int64, optional: where >= 0, the cache slot read for the
         sequence's last key instead of the table's (speculative side rows). Returns
         [T, Hq, D] in q's dtype. Per query, independent of q_len and of the other
-        sequences (CpuKernels, head_dim % 8 == 0; other head sizes use the reference)."""
+        sequences (CpuKernels, head_dim % 8 == 0 and <= 576; other head sizes use the
+        reference)."""
         ...
 
     def write_kv_cache(

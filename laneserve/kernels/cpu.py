@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from laneserve.kernels import quant, weights
+from laneserve.kernels.base import PAGED_ATTENTION_MAX_HEAD_DIM
 from laneserve.kernels.build import KernelLib
 from laneserve.kernels.quant import QuantWeight
 from laneserve.kernels.reference import TorchKernels
@@ -32,7 +33,8 @@ class CpuKernels:
 
     Weights (linear) and KV caches may be float32, bfloat16 or float16; all arithmetic is
     fp32. Batch invariant as base.py describes, except paged_attention
-    with head_dim % 8 != 0, which falls back to TorchKernels.
+    with head_dim % 8 != 0 or above PAGED_ATTENTION_MAX_HEAD_DIM, which falls back to
+    TorchKernels.
     """
 
     name = "cpu"
@@ -146,7 +148,8 @@ class CpuKernels:
         scale: float,
         last_slot: torch.Tensor | None = None,  # [S] int64: the last key's slot (-1: table)
     ) -> torch.Tensor:  # [T, Hq, D] float32
-        if q.shape[-1] % 8 != 0:  # the kernel vectorizes head_dim by 8
+        d = q.shape[-1]
+        if d % 8 != 0 or d > PAGED_ATTENTION_MAX_HEAD_DIM:  # vectorized by 8, bounded state
             return self._fallback.paged_attention(
                 q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, last_slot
             )

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from laneserve.kernels.base import PAGED_ATTENTION_MAX_HEAD_DIM
 from laneserve.model.arch import ArchConfig
 from laneserve.model.attention import AttentionMetadata, PrefillSpan
 from laneserve.model.layers import Kernels, Linear, RMSNorm
@@ -71,9 +72,13 @@ class MlaAttention:
         self.w_uv = w[:, p.qk_nope_head_dim :].transpose(1, 2).to(act).contiguous()
         # The absorbed decode is multi-query attention with one latent "head" of
         # r + rope values, keys and values both read from the latent entries: the
-        # kernels' paged attention runs it when it takes that head size (CPU, <= 512).
+        # kernels' paged attention runs it when it takes that head size (CPU, <= 576).
         self.kernels = kernels
-        self.paged_decode = kernels.name == "cpu" and p.latent_dim % 8 == 0 and p.latent_dim <= 512
+        self.paged_decode = (
+            kernels.name == "cpu"
+            and p.latent_dim % 8 == 0
+            and p.latent_dim <= PAGED_ATTENTION_MAX_HEAD_DIM
+        )
         self.o_proj = Linear(kernels, get(f"{a}.o_proj.weight"), bias("o_proj"))
         self.scale = softmax_scale(arch.rope_scaling or {}, p.qk_head_dim)
 

@@ -39,9 +39,18 @@ def test_paged_attention_matches_reference(ck: CpuKernels, tk: TorchKernels, dty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [128, 40])
+@pytest.mark.parametrize("d", [128, 40, 576])  # 576: DeepSeek V3's MLA latent (512 + 64)
 def test_paged_attention_head_dims(ck: CpuKernels, dtype, d: int) -> None:
     case = make_attn_case([70, 3], [2, 1], 8, 2, 16, dtype, d=d, seed=d)
+    out = ck.paged_attention(*case.args())
+    torch.testing.assert_close(out.double(), attention_f64(case), rtol=1e-5, atol=2e-6)
+
+
+def test_paged_attention_above_the_largest_head_dim(ck: CpuKernels) -> None:
+    """The op refuses it; CpuKernels hands it to the reference."""
+    case = make_attn_case([20, 5], [1, 2], 2, 1, 16, torch.float32, d=584, seed=3)
+    with pytest.raises(RuntimeError, match="at most 576, got 584"):
+        ck.lib.ops.paged_attention(*case.args())
     out = ck.paged_attention(*case.args())
     torch.testing.assert_close(out.double(), attention_f64(case), rtol=1e-5, atol=2e-6)
 
