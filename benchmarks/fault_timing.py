@@ -37,7 +37,7 @@ from urllib.parse import urlparse
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from soak import children, start_server
+from soak import add_server_args, children, server_for
 
 PROMPT = "The old lighthouse stood at the end"
 POLL_S = 0.01
@@ -199,23 +199,14 @@ async def run(url: str, server_pid: int, model: str, repeats: int, streams: int)
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", default=None, help="attach to a running server (else start one)")
-    p.add_argument("--pid", type=int, default=None, help="the attached server's pid")
-    p.add_argument("--model", default=None, help="model for the started server")
-    p.add_argument("--model-name", default="faults")
-    p.add_argument("--port", type=int, default=8766)
-    p.add_argument("--server-arg", action="append", default=[], help="a flag for the server")
+    add_server_args(p, "faults", 8766)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--streams", type=int, default=4)
     ns = p.parse_args()
-    proc = None
-    if ns.url is None:
-        proc, url = start_server(ns)
-        pid = proc.pid
-    else:
-        if ns.pid is None:
-            p.error("--url needs --pid (the worker is found among its children)")
-        url, pid = ns.url, ns.pid
+    if ns.url is not None and ns.pid is None:
+        p.error("--url needs --pid (the worker is found among its children)")
+    proc, url, pid = server_for(ns)
+    assert pid is not None
     try:
         asyncio.run(run(url, pid, ns.model_name, ns.repeats, ns.streams))
     except (RuntimeError, TimeoutError) as e:

@@ -187,13 +187,32 @@ def start_server(ns: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not become healthy")
 
 
+def add_server_args(p: argparse.ArgumentParser, model_name: str, port: int) -> None:
+    """The options that attach to a server or start one (shared with fault_timing.py)."""
+    p.add_argument("--url", default=None, help="attach to a running server (else start one)")
+    p.add_argument("--pid", type=int, default=None, help="the attached server's pid")
+    p.add_argument("--model", default=None, help="model for the started server")
+    p.add_argument("--model-name", default=model_name)
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="a flag for the started server (repeatable), e.g. --server-arg=--num-kv-blocks=1024",
+    )
+
+
+def server_for(ns: argparse.Namespace) -> tuple[subprocess.Popen | None, str, int | None]:
+    """(the started server or None, its URL, its pid) from add_server_args' options."""
+    if ns.url is not None:
+        return None, ns.url, ns.pid
+    proc, url = start_server(ns)
+    return proc, url, proc.pid
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", default=None, help="attach to a running server (else start one)")
-    p.add_argument("--pid", type=int, default=None, help="the attached server's pid (for RSS)")
-    p.add_argument("--model", default=None, help="model for the started server")
-    p.add_argument("--model-name", default="soak")
-    p.add_argument("--port", type=int, default=8765)
+    add_server_args(p, "soak", 8765)
     p.add_argument("--minutes", type=float, default=30)
     p.add_argument(
         "--warmup-minutes",
@@ -201,20 +220,9 @@ def main() -> int:
         default=5,
         help="RSS growth is reported from the end of this minute (the KV cache fills first)",
     )
-    p.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="a flag for the started server (repeatable), e.g. --server-arg=--num-kv-blocks=1024",
-    )
     p.add_argument("--concurrency", type=int, default=8)
     ns = p.parse_args()
-    proc = None
-    if ns.url is None:
-        proc, url = start_server(ns)
-        pid = proc.pid
-    else:
-        url, pid = ns.url, ns.pid
+    proc, url, pid = server_for(ns)
     try:
         pids = [pid, *children(pid)] if pid else []
         ok = asyncio.run(

@@ -56,7 +56,8 @@ SOURCES = tuple(
 # Headers the sources include: part of the build key (ninja tracks them too, but the key
 # picks the build directory, and a stale directory must never be reused).
 HEADERS = tuple(
-    KERNEL_DIR / name for name in ("vec.h", "ops.h", "attention_tile.h", "linear_prefill.h")
+    KERNEL_DIR / name
+    for name in ("vec.h", "vec512.h", "ops.h", "attention_tile.h", "linear_prefill.h")
 )
 DISABLE_ENV = "LANESERVE_DISABLE_KERNELS"
 CACHE_ENV = "LANESERVE_CACHE_DIR"

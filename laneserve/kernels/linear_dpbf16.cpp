@@ -16,6 +16,7 @@
 
 #include "linear_prefill.h"
 #include "vec.h"
+#include "vec512.h"
 
 #include <algorithm>
 
@@ -67,13 +68,7 @@ void tile(const PrefillArgs& a, int64_t p, int64_t m0, int64_t pairs, const at::
   for (int c = 0; c < kBlocks; ++c) {
     const int64_t n0 = (kBlocks * p + c) * kNB;
     if (n0 >= a.N) break;
-    const int64_t valid = std::min<int64_t>(kNB, a.N - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const __m512 v = a.bias ? _mm512_add_ps(acc[r][c], b) : acc[r][c];
-      _mm512_mask_storeu_ps(a.out + (m0 + r) * a.N + n0, mask, v);
-    }
+    store_block<R, kBlocks>(acc, c, a.out + m0 * a.N, a.N, n0, a.N, a.bias);
   }
 }
 

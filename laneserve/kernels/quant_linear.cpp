@@ -16,6 +16,7 @@
 
 #include "ops.h"
 #include "vec.h"
+#include "vec512.h"
 
 #include <type_traits>
 
@@ -118,16 +119,8 @@ void quant_tile(const QuantArgs& a, int64_t m0, int64_t b0) {
     }
   }
 
-  for (int c = 0; c < C; ++c) {
-    const int64_t n0 = (b0 + c) * kNB;
-    const int64_t valid = std::min<int64_t>(kNB, a.N - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const __m512 v = a.bias ? _mm512_add_ps(acc[r][c], b) : acc[r][c];
-      _mm512_mask_storeu_ps(a.out + (m0 + r) * a.N + n0, mask, v);
-    }
-  }
+  for (int c = 0; c < C; ++c)
+    store_block<R, C>(acc, c, a.out + m0 * a.N, a.N, (b0 + c) * kNB, a.N, a.bias);
 }
 
 // Column blocks per tile: accumulators, scales, offsets and 2C weights within 32 zmm.
