@@ -103,8 +103,9 @@ def bench_prefill_linear(
     ck: CpuKernels, name: str, m: int, bursts: int
 ) -> dict[str, tuple[float, float]]:
     """bf16 weights at M prompt rows: the decode kernel (fp32 activations), the prompt-row
-    path (AMX or AVX-512 BF16 dot products, rows rounded to bf16) and torch's bf16 F.linear (oneDNN), the last
-    including the activation's conversion to bf16 and the output's back to fp32."""
+    path (AMX or AVX-512 BF16 dot products, rows rounded to bf16) and torch's bf16
+    F.linear (oneDNN), the last including the activation's conversion to bf16 and the
+    output's back to fp32."""
     k, n = LINEARS[name]
     copies = max(2, math.ceil(COLD_BYTES / (n * k * 2)))
     raw = [torch.randn(n, k).bfloat16() for _ in range(copies)]

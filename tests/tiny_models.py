@@ -412,13 +412,11 @@ def build_exact_deepseek_mtp(
     w = load_file(str(out / "model.safetensors"))
     emb = w["model.embed_tokens.weight"]
     w["model.embed_tokens.weight"] = emb / emb.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
+    if not keep_attention:
+        w["model.layers.0.self_attn.o_proj.weight"].zero_()
     inert = tuple(f"model.layers.{i}." for i in range(1, layers))
     for name, t in w.items():
-        outputs = name.endswith(("o_proj.weight", "down_proj.weight"))
-        if outputs and (
-            name.startswith(inert)
-            or (not keep_attention and name.startswith("model.layers.0.self_attn.o_proj"))
-        ):
+        if name.startswith(inert) and name.endswith(("o_proj.weight", "down_proj.weight")):
             t.zero_()
     save_file(w, str(out / "model.safetensors"))
     return add_mtp_layer(out, exact_of=0)

@@ -20,8 +20,7 @@ however many there are; the same holds per query for ``paged_attention`` (indepe
 same greedy tokens with and without speculation. TorchKernels gives no such guarantee
 (it inherits whatever torch / BLAS does). Prompt rows passed to ``linear`` with
 ``first_prefill`` may take other numerics (bf16 activations on AMX or avx512_bf16
-CPUs), row invariant
-as well; decode-like rows never do (docs/kernels.md, the table of guarantees per row).
+CPUs), row invariant as well; decode-like rows never do (docs/kernels.md, the table of guarantees per row).
 """
 
 from __future__ import annotations
@@ -75,8 +74,8 @@ class Kernels(Protocol):
         ``first_prefill``: rows ``[first_prefill, M)`` are prompt (prefill) rows, which an
         implementation may compute on a compute-bound path with other numerics: CpuKernels
         with bf16 weights rounds them to bf16 and uses AMX tiles, or AVX-512 BF16 dot
-        products on CPUs without AMX (``linear_prefill``). That path is row invariant too (a row's result does not depend
-        on the other rows or on M), and rows before ``first_prefill`` keep the decode
+        products on CPUs without AMX (``linear_prefill``). That path is row invariant
+        too (a row's result does not depend on the other rows or on M), and rows before ``first_prefill`` keep the decode
         kernel's bits exactly. None (the default): every row is decode-like."""
         ...
 

@@ -4,9 +4,9 @@
 // backends (`method`): AMX tile dot products (tdpbf16ps, fp32 accumulation; this file)
 // on CPUs with amx_tile + amx_bf16, or AVX-512 BF16 dot products (linear_dpbf16.cpp).
 //
-// NOTE (row invariance, AMX backend): each prefill output element is the tdpbf16ps chain over
-// k-chunks of 32 (k = 0..31, 32..63, ...) starting from zero, then + bias. Rows of an A
-// tile never mix, M is padded with zero rows and K with zero columns, and threads split
+// NOTE (row invariance, AMX backend): each prefill output element is the tdpbf16ps
+// chain over k-chunks of 32 (k = 0..31, 32..63, ...) starting from zero, then + bias.
+// Rows of an A tile never mix, M is padded with zero rows and K with zero columns, and threads split
 // output columns only, so a row's result does not depend on how many rows the call has,
 // which other rows are in it, or the thread split. It does differ from `linear`'s
 // fp32-activation result (x is rounded to bf16), so decode-like rows never come here.
@@ -57,10 +57,7 @@ struct alignas(64) TileConfig {
 
 // Panel p (blocks 2p, 2p+1) -> scratch [Kp/32][2][16 rows][32 bf16] in VNNI order.
 void repack_panel(const PrefillArgs& a, int64_t p, at::BFloat16* scratch) {
-  // target element t of a 64 B row: column t/2, k parity t%2 -> its pair-layout index
-  alignas(64) int16_t idx[32];
-  for (int t = 0; t < 32; ++t) idx[t] = static_cast<int16_t>(8 * (t / 8) + 4 * (t % 2) + (t / 2) % 4);
-  const __m512i perm = _mm512_load_si512(idx);
+  const __m512i perm = pair_order_index();
   const int64_t pairs = a.Kp / 2, have = a.K2 / 2;
   for (int64_t blk = 0; blk < 2; ++blk) {
     const int64_t b = 2 * p + blk;

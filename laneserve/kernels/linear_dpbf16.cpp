@@ -33,10 +33,7 @@ constexpr int64_t kMBlock = 256;  // rows per block: their bf16 activations stay
 
 // Panel p (blocks 4p..4p+3) -> scratch [pairs][kBlocks][32 bf16], VNNI pair order.
 void repack_panel(const PrefillArgs& a, int64_t p, int64_t pairs, at::BFloat16* scratch) {
-  // target element t: column t/2, k parity t%2 -> its index in the pair layout's 64 B
-  alignas(64) int16_t idx[32];
-  for (int t = 0; t < 32; ++t) idx[t] = static_cast<int16_t>(8 * (t / 8) + 4 * (t % 2) + (t / 2) % 4);
-  const __m512i perm = _mm512_load_si512(idx);
+  const __m512i perm = pair_order_index();
   for (int64_t blk = 0; blk < kBlocks; ++blk) {
     const int64_t b = kBlocks * p + blk;
     const at::BFloat16* src = a.w + b * a.K2 * kNB;

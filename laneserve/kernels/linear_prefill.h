@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <immintrin.h>
 
 #include <cstdint>
 
@@ -24,5 +25,20 @@ constexpr int64_t kPrefillDpbf16 = 1;
 
 // linear_dpbf16.cpp: every prompt row of `a` (threads split output columns).
 void prefill_dpbf16(const PrefillArgs& a);
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw")
+
+// The vpermw index that turns 64 B of the pair layout (k rows 2j, 2j+1 as four lanes of
+// [row 2j cols 4L..4L+3, row 2j+1 cols 4L..4L+3]) into pair order [c0k0 c0k1 c1k0 ...],
+// what both tdpbf16ps (AMX B tiles) and vdpbf16ps read: element t is column t/2, k
+// parity t%2.
+inline __m512i pair_order_index() {
+  alignas(64) int16_t idx[32];
+  for (int t = 0; t < 32; ++t) idx[t] = static_cast<int16_t>(8 * (t / 8) + 4 * (t % 2) + (t / 2) % 4);
+  return _mm512_load_si512(idx);
+}
+
+#pragma GCC pop_options
 
 }  // namespace laneserve

@@ -21,8 +21,8 @@ SHAPES = [(960, 576), (37, 45), (100, 33), (48, 64), (576, 1536)]  # odd K, N % 
 
 
 @pytest.fixture(scope="module", params=["amx", "dpbf16"])
-def amx(ck: CpuKernels, request: pytest.FixtureRequest) -> CpuKernels:
-    """CpuKernels with one prompt-row path (the name is the first path's)."""
+def prompt_path(ck: CpuKernels, request: pytest.FixtureRequest) -> CpuKernels:
+    """CpuKernels with one prompt-row path: AMX tiles or AVX-512 BF16 dot products."""
     if request.param == "amx" and not ck.amx:
         pytest.skip("no AMX (amx_tile + amx_bf16) on this CPU, or LANESERVE_KERNEL_AMX=0")
     if request.param == "dpbf16" and (
@@ -33,16 +33,16 @@ def amx(ck: CpuKernels, request: pytest.FixtureRequest) -> CpuKernels:
     return CpuKernels(dataclasses.replace(ck.lib, amx=is_amx, dpbf16=not is_amx))
 
 
-def test_the_path_is_taken(amx: CpuKernels) -> None:
+def test_the_path_is_taken(prompt_path: CpuKernels) -> None:
     """Prompt rows do not take the decode kernel's bits (bf16-rounded activations)."""
     w = randn(64, 96, seed=11).bfloat16()
-    pw = amx.pack_linear_weight(w)
+    pw = prompt_path.pack_linear_weight(w)
     x = randn(40, 96, seed=12)
-    assert not torch.equal(amx.linear(x, pw, first_prefill=0), amx.linear(x, pw))
+    assert not torch.equal(prompt_path.linear(x, pw, first_prefill=0), prompt_path.linear(x, pw))
 
 
 def test_the_dot_product_path_needs_avx512_bf16_and_no_amx(
-    ck: CpuKernels, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     has_flag = DPBF16_CPU_FLAG in (cpu_flags() or set())
     monkeypatch.delenv(DPBF16_ENV, raising=False)
@@ -60,13 +60,13 @@ def bf16_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tor
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_prompt_rows_match_bf16_reference(amx: CpuKernels, n: int, k: int) -> None:
+def test_prompt_rows_match_bf16_reference(prompt_path: CpuKernels, n: int, k: int) -> None:
     w = randn(n, k, seed=n + k).bfloat16()
     b = randn(n, seed=7)
-    pw = amx.pack_linear_weight(w)
+    pw = prompt_path.pack_linear_weight(w)
     x = randn(70, k, seed=k)
     for first in (0, 3, 69):
-        y = amx.linear(x, pw, b, first_prefill=first)
+        y = prompt_path.linear(x, pw, b, first_prefill=first)
         ref = bf16_ref(x[first:], w, b)
         # fp32 accumulation of exact bf16 products over K terms
         bound = 2e-5 * (x[first:].bfloat16().double().abs() @ w.double().abs().T) + 1e-6
@@ -75,32 +75,34 @@ def test_prompt_rows_match_bf16_reference(amx: CpuKernels, n: int, k: int) -> No
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_decode_rows_keep_the_decode_kernel_bits(amx: CpuKernels, n: int, k: int) -> None:
+def test_decode_rows_keep_the_decode_kernel_bits(prompt_path: CpuKernels, n: int, k: int) -> None:
     w = randn(n, k, seed=n).bfloat16()
     b = randn(n, seed=1)
-    pw = amx.pack_linear_weight(w)
+    pw = prompt_path.pack_linear_weight(w)
     x = randn(40, k, seed=2)
     for first in (1, 5, 39, 40):
-        y = amx.linear(x, pw, b, first_prefill=first)
-        assert torch.equal(y[:first], amx.linear(x[:first], pw, b))
-    assert torch.equal(amx.linear(x, pw, b, first_prefill=None), amx.linear(x, pw, b))
+        y = prompt_path.linear(x, pw, b, first_prefill=first)
+        assert torch.equal(y[:first], prompt_path.linear(x[:first], pw, b))
+    assert torch.equal(
+        prompt_path.linear(x, pw, b, first_prefill=None), prompt_path.linear(x, pw, b)
+    )
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_prompt_rows_are_row_invariant(amx: CpuKernels, n: int, k: int) -> None:
+def test_prompt_rows_are_row_invariant(prompt_path: CpuKernels, n: int, k: int) -> None:
     """A prompt row's bits do not depend on M, on its neighbours or on the thread split."""
     w = randn(n, k, seed=3).bfloat16()
-    pw = amx.pack_linear_weight(w)
+    pw = prompt_path.pack_linear_weight(w)
     x = randn(300, k, seed=4)
-    full = amx.linear(x, pw, None, first_prefill=0)
+    full = prompt_path.linear(x, pw, None, first_prefill=0)
     for lo, hi in [(0, 1), (17, 18), (5, 37), (100, 300), (31, 64)]:
-        assert torch.equal(amx.linear(x[lo:hi], pw, None, first_prefill=0), full[lo:hi])
+        assert torch.equal(prompt_path.linear(x[lo:hi], pw, None, first_prefill=0), full[lo:hi])
     other = torch.cat([randn(9, k, seed=5), x[50:60]])  # other rows around them
-    assert torch.equal(amx.linear(other, pw, None, first_prefill=2)[9:], full[50:60])
+    assert torch.equal(prompt_path.linear(other, pw, None, first_prefill=2)[9:], full[50:60])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(amx.linear(x, pw, None, first_prefill=0), full)
+        assert torch.equal(prompt_path.linear(x, pw, None, first_prefill=0), full)
     finally:
         torch.set_num_threads(threads)
 
