@@ -1,15 +1,15 @@
 """DeepSeek V3 / V4 layouts: laneserve vs transformers `generate`, and exact MTP vs no
-speculation (V3).
+speculation.
 
 A random mid-size checkpoint (V3: MLA, routed MoE, yarn rope; V4: sliding / CSA / HCA
 attention, hyper-connections, hash and scored MoE) is built once in a temporary
 directory; greedy generation of a fixed number of tokens (EOS ignored) at each batch
 size runs in laneserve and in transformers in the same process, and the ratios are
-printed. For V3 a second checkpoint of the same depth whose MTP layer predicts the
-target exactly measures MTP (k = 1) against no speculation at batch 1: its first layer
-decides the next token, the others are inert (zeroed output projections, full cost), so
-the draft costs one layer of the target's eight, as DeepSeek V3's one MTP layer costs
-one of its 61 layers (`--mtp-inert-layers 0`: a 1-layer target, draft as costly as it).
+printed. A second checkpoint of the same depth whose MTP layer predicts the target
+exactly measures MTP (k = 1) against no speculation at batch 1: its first layer decides
+the next token, the others are inert (zeroed output projections, full cost), so the
+draft costs one layer of the target's eight, as DeepSeek V3's one MTP layer costs one
+of its 61 layers (`--mtp-inert-layers 0`: a 1-layer target, draft as costly as it).
 
     .venv/bin/python benchmarks/bench_deepseek.py                 # V3, bf16, batch 1 / 8 / 32
     .venv/bin/python benchmarks/bench_deepseek.py --family v4 --max-tokens 32
@@ -38,7 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from laneserve import LLM, SamplingParams
 from laneserve.obs.trace_analysis import report
-from tests.models.tiny_deepseek_v4 import V4_LAYER_TYPES, build_tiny_deepseek_v4
+from tests.models.tiny_deepseek_v4 import (
+    V4_LAYER_TYPES,
+    build_exact_deepseek_v4_mtp,
+    build_tiny_deepseek_v4,
+)
 from tests.tiny_models import build_exact_deepseek_mtp, build_tiny_deepseek
 
 MID = dict(
@@ -156,13 +160,16 @@ def main() -> None:
         one = prompts(1, args.prompt_len, cfg["vocab_size"])
         laneserve_tok_s(model, dtype, one, args.max_tokens, profile_dir=args.profile_dir)
         print(report([args.profile_dir], max_rows=0), flush=True)
-    if args.no_mtp or v4:  # NOTE: no exact-MTP construction for V4
+    if args.no_mtp:
         return
-    depth = cfg.get("num_hidden_layers", 3)  # the tiny config has 3
+    depth = cfg.get("num_hidden_layers", 4 if v4 else 3)  # the tiny configs: V3 3, V4 4
     inert = depth - 1 if args.mtp_inert_layers is None else args.mtp_inert_layers
-    exact = build_exact_deepseek_mtp(
-        root / "exact", inert_layers=inert, **{**cfg, "num_nextn_predict_layers": 1}
-    )
+    if v4:
+        exact = build_exact_deepseek_v4_mtp(root / "exact", inert_layers=inert, **cfg)
+    else:
+        exact = build_exact_deepseek_mtp(
+            root / "exact", inert_layers=inert, **{**cfg, "num_nextn_predict_layers": 1}
+        )
     one = prompts(1, args.prompt_len, cfg["vocab_size"], seed=1)
     plain, _ = laneserve_tok_s(exact, dtype, one, args.max_tokens, args.repeats)
     spec = {"method": "mtp", "num_speculative_tokens": 1}

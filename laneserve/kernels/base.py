@@ -106,8 +106,35 @@ class Kernels(Protocol):
         Unfused mul/mul/add per element, as HF's fp32 formula. Per token."""
         ...
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(x[..., :I]) * x[..., I:]``: x [M, 2I] float; returns [M, I]. Row-wise."""
+    def silu_and_mul(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+        """``silu(x[..., :I]) * x[..., I:]``: x [M, 2I] float; returns [M, I]. Row-wise.
+        With ``limit`` L (DeepSeek V4's clamped SwiGLU): ``silu(min(x[..., :I], L)) *
+        clamp(x[..., I:], -L, L)``."""
+        ...
+
+    def hyper_pre(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        iters: int,
+        eps: float,
+        rms_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A hyper-connection's weights from N residual streams (DeepSeek V4; formulas in
+        model/deepseek_v4_ops.py): streams [T, N, H] float32 / bfloat16 (contiguous), fn
+        [(2 + N) N, N H], base [(2 + N) N] and scale [3] float32; ``iters`` Sinkhorn
+        rounds. Returns post [T, N] and comb [T, N, N] float32, and the streams collapsed
+        by the pre weights [T, H] in the streams' dtype. All fp32. Per token."""
+        ...
+
+    def hyper_post(
+        self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        """The streams after a sublayer: ``new_n = post_n * out + sum_j comb[j, n] *
+        stream_j`` for streams [T, N, H], out [T, H] (float32 / bfloat16, contiguous) and
+        hyper_pre's post / comb; float32 unless both inputs are bfloat16. Per token."""
         ...
 
     def paged_attention(

@@ -20,7 +20,11 @@ TORCH_LIBRARY(laneserve, m) {
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, int head_dim, "
       "Tensor cos_sin_cache) -> ()");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("silu_and_mul(Tensor x, float? limit=None) -> Tensor");
+  m.def(
+      "hyper_pre(Tensor streams, Tensor fn, Tensor base, Tensor scale, int iters, float eps, "
+      "float rms_eps) -> (Tensor, Tensor, Tensor)");
+  m.def("hyper_post(Tensor streams, Tensor out, Tensor post, Tensor comb) -> Tensor");
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor? last_slot=None) -> Tensor");
@@ -55,6 +59,8 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("fused_add_rms_norm", &laneserve::fused_add_rms_norm);
   m.impl("rotary_embedding", &laneserve::rotary_embedding);
   m.impl("silu_and_mul", &laneserve::silu_and_mul);
+  m.impl("hyper_pre", &laneserve::hyper_pre);
+  m.impl("hyper_post", &laneserve::hyper_post);
   m.impl("paged_attention", &laneserve::paged_attention);
   m.impl("write_kv_cache", &laneserve::write_kv_cache);
   m.impl("verify_greedy", &laneserve::verify_greedy);

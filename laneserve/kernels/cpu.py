@@ -24,6 +24,7 @@ LAYOUT_BLOCKED_512 = "blocked16-avx512"  # the same; bf16 as row pairs, K padded
 _ISA_CODE = {"avx2": 0, "avx512": 1}  # linear.cpp kIsaAvx2 / kIsaAvx512
 _ISA_LAYOUT = {"avx2": LAYOUT_BLOCKED, "avx512": LAYOUT_BLOCKED_512}
 # GGUF weights kept quantized (quant_linear.cpp, AVX-512): layout name -> the op's qtype
+_HYPER_DTYPES = {torch.float32, torch.bfloat16}  # hyper.cpp's streams / outputs
 _GGUF_LAYOUT = {f"gguf-{name}-avx512": code for name, code in quant.QTYPE_CODE.items()}
 
 
@@ -51,6 +52,8 @@ class CpuKernels:
         self._fused_add_rms_norm = ops.fused_add_rms_norm
         self._rotary = ops.rotary_embedding
         self._silu_and_mul = ops.silu_and_mul
+        self._hyper_pre = ops.hyper_pre
+        self._hyper_post = ops.hyper_post
         self._paged_attention = ops.paged_attention
         self._write_kv_cache = ops.write_kv_cache
         self._verify_greedy = ops.verify_greedy
@@ -134,8 +137,31 @@ class CpuKernels:
         # handles any row stride as long as each row's heads are contiguous.
         self._rotary(positions, q, k, head_dim, cos_sin_cache)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [M, 2I] f32 -> [M, I]
-        return self._silu_and_mul(x)
+    def silu_and_mul(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32:  # [M, 2I] f32 -> [M, I]
+            return self._fallback.silu_and_mul(x, limit)
+        return self._silu_and_mul(x, limit)
+
+    def hyper_pre(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        iters: int,
+        eps: float,
+        rms_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if streams.shape[-1] % 8 or streams.dtype not in _HYPER_DTYPES:
+            return self._fallback.hyper_pre(streams, fn, base, scale, iters, eps, rms_eps)
+        return self._hyper_pre(streams.contiguous(), fn, base, scale, iters, eps, rms_eps)
+
+    def hyper_post(
+        self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        if streams.shape[-1] % 8 or {streams.dtype, out.dtype} - _HYPER_DTYPES:
+            return self._fallback.hyper_post(streams, out, post, comb)
+        return self._hyper_post(streams.contiguous(), out.contiguous(), post, comb)
 
     def paged_attention(
         self,

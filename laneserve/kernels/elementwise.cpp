@@ -175,7 +175,8 @@ void rotary_embedding(const at::Tensor& positions_in, at::Tensor& q, at::Tensor&
 }
 
 // ----------------------------------------------------------------------------
-// silu_and_mul: y = silu(x[:, :I]) * x[:, I:]
+// silu_and_mul: y = silu(x[:, :I]) * x[:, I:]; with a limit L (DeepSeek V4's clamped
+// SwiGLU): y = silu(min(x[:, :I], L)) * clamp(x[:, I:], -L, L)
 // ----------------------------------------------------------------------------
 
 namespace {
@@ -186,9 +187,17 @@ inline __m256 silu_mul8(__m256 a, __m256 b) {
   return _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(one, e)), b);
 }
 
+// min / max with the limit first: a NaN input comes through, as torch's clamp lets it.
+struct Clamp {
+  bool on;
+  __m256 hi, lo;
+  __m256 gate(__m256 a) const { return on ? _mm256_min_ps(hi, a) : a; }
+  __m256 up(__m256 b) const { return on ? _mm256_max_ps(lo, _mm256_min_ps(hi, b)) : b; }
+};
+
 }  // namespace
 
-at::Tensor silu_and_mul(const at::Tensor& x_in) {
+at::Tensor silu_and_mul(const at::Tensor& x_in, std::optional<double> limit) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1 && x_in.size(-1) % 2 == 0,
               "silu_and_mul: float32 [..., 2I] expected");
   const at::Tensor x = x_in.contiguous();
@@ -199,6 +208,9 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   const int64_t rows = I == 0 ? 0 : x.numel() / (2 * I);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const float lim = static_cast<float>(limit.value_or(0.0));
+  const Clamp c{limit.has_value(), _mm256_set1_ps(lim), _mm256_set1_ps(-lim)};
+  auto f = [&](__m256 a, __m256 b) { return silu_mul8(c.gate(a), c.up(b)); };
   at::parallel_for(0, rows, rows_grain(I * 8), [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m) {
       const float* a = xp + m * 2 * I;
@@ -206,12 +218,12 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
       float* y = op + m * I;
       int64_t i = 0;
       for (; i + 8 <= I; i += 8)
-        _mm256_storeu_ps(y + i, silu_mul8(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+        _mm256_storeu_ps(y + i, f(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
       if (i < I) {  // tail through the same vector formula (padded)
         alignas(32) float ta[8] = {0}, tb[8] = {0}, ty[8];
         std::memcpy(ta, a + i, sizeof(float) * (I - i));
         std::memcpy(tb, b + i, sizeof(float) * (I - i));
-        _mm256_store_ps(ty, silu_mul8(_mm256_load_ps(ta), _mm256_load_ps(tb)));
+        _mm256_store_ps(ty, f(_mm256_load_ps(ta), _mm256_load_ps(tb)));
         std::memcpy(y + i, ty, sizeof(float) * (I - i));
       }
     }

@@ -31,7 +31,16 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps);
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w_in, double eps);
 void rotary_embedding(const at::Tensor& positions_in, at::Tensor& q, at::Tensor& k,
                       int64_t head_dim, const at::Tensor& cache_in);
-at::Tensor silu_and_mul(const at::Tensor& x_in);
+at::Tensor silu_and_mul(const at::Tensor& x_in, std::optional<double> limit);
+
+// hyper.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hyper_pre(const at::Tensor& streams,
+                                                          const at::Tensor& fn,
+                                                          const at::Tensor& base,
+                                                          const at::Tensor& scale, int64_t iters,
+                                                          double eps, double rms_eps);
+at::Tensor hyper_post(const at::Tensor& streams, const at::Tensor& out, const at::Tensor& post,
+                      const at::Tensor& comb);
 
 // attention.cpp
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,

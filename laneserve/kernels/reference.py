@@ -98,9 +98,45 @@ class TorchKernels:
             x1.copy_(o1)
             x2.copy_(o2)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [M, 2I] -> [M, I]
-        i = x.shape[-1] // 2
-        return F.silu(x[..., :i]) * x[..., i:]
+    def silu_and_mul(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+        i = x.shape[-1] // 2  # [M, 2I] -> [M, I]
+        if limit is None:
+            return F.silu(x[..., :i]) * x[..., i:]
+        return F.silu(x[..., :i].clamp(max=limit)) * x[..., i:].clamp(min=-limit, max=limit)
+
+    def hyper_pre(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        iters: int,
+        eps: float,
+        rms_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, n = streams.shape[:2]
+        flat = streams.reshape(t, -1).float()
+        normed = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
+        mix = F.linear(normed, fn)
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = base.split([n, n, n * n])
+        s_pre, s_post, s_comb = scale.unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(t, n, n) * s_comb + comb_b.view(n, n), dim=-1) + eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+    def hyper_post(
+        self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        dtype = torch.promote_types(streams.dtype, out.dtype)
+        mixed = torch.matmul(comb.transpose(-1, -2), streams.float())
+        return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(dtype)
 
     def paged_attention(
         self,

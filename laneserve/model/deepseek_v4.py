@@ -111,8 +111,8 @@ class V4Layer:
         self.attn_norm = Norm(get(f"{prefix}.attn_norm.weight", torch.float32), eps)
         self.ffn_norm = Norm(get(f"{prefix}.ffn_norm.weight", torch.float32), eps)
         n, it, he = p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps
-        self.hc_attn = HyperConnection(get, f"{prefix}.hc_attn", n, it, he, eps)
-        self.hc_ffn = HyperConnection(get, f"{prefix}.hc_ffn", n, it, he, eps)
+        self.hc_attn = HyperConnection(kernels, get, f"{prefix}.hc_attn", n, it, he, eps)
+        self.hc_ffn = HyperConnection(kernels, get, f"{prefix}.hc_ffn", n, it, he, eps)
 
     def __call__(
         self,
@@ -124,10 +124,10 @@ class V4Layer:
     ) -> torch.Tensor:
         post, comb, x = self.hc_attn(streams)
         out = self.attn(self.attn_norm(x), positions, cache, meta)
-        streams = HyperConnection.expand(post, comb, out, streams)
+        streams = self.hc_attn.expand(post, comb, out, streams)
         post, comb, x = self.hc_ffn(streams)
-        out = self.ffn(self.ffn_norm(x), ids)
-        return HyperConnection.expand(post, comb, out, streams)
+        out = self.ffn(self.ffn_norm(x), ids, meta.spans[0][0] if meta.spans else None)
+        return self.hc_ffn.expand(post, comb, out, streams)
 
 
 class DeepseekV4Model:

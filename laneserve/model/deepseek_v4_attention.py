@@ -17,12 +17,16 @@ closed the window, a request resumed after preemption) gives the same entry: a
 rollback only lowers the committed count. See `deepseek_v4_compressor.py`.
 
 Every step first writes its tokens' K = V and compressor state, then the entries its
-closing tokens complete, then reads; all reads are per token through its row's block
-tables, so decode, verify, chunked prefill and batches share one path.
+closing tokens complete, then reads. Decode and verify tokens read one by one through
+their row's block tables. A prefill row's queries read in blocks of consecutive
+positions: one gather of the window's keys (W + n - 1 of them, under a band mask) and
+of HCA's entries serves the whole block, so a long prompt costs no per-query copy of
+the window. Both give each query the same keys and the same masked softmax.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +42,8 @@ from laneserve.model.deepseek_v4_config import SLIDING, DeepseekV4Params
 from laneserve.model.deepseek_v4_ops import InterleavedRope, Norm, WeightGetter, rms_unweighted
 from laneserve.model.layers import Kernels, Linear
 
+PREFILL_QUERY_BLOCK = 128  # queries of one prefill row sharing one gather of keys
+
 
 @dataclass(frozen=True)
 class V4StepMetadata:
@@ -45,6 +51,13 @@ class V4StepMetadata:
 
     tables: tuple[torch.Tensor, ...]  # per cache group: [T, C] int64, the token's row's table
     max_len: int  # host bound: every position in the step is below it
+    # host: (first token, tokens, first position) of each prefill row; their queries
+    # attend in blocks (`PREFILL_QUERY_BLOCK`), every other token on its own
+    spans: tuple[tuple[int, int, int], ...] = ()
+
+    def rows(self, start: int, stop: int) -> V4StepMetadata:
+        """The metadata of tokens start .. stop - 1 attended one by one."""
+        return V4StepMetadata(tuple(t[start:stop] for t in self.tables), self.max_len)
 
 
 @dataclass(frozen=True)
@@ -100,21 +113,25 @@ class V4Attention:
         meta: V4StepMetadata,
     ) -> torch.Tensor:
         p, t = self.p, x.shape[0]
-        xq = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
-        q = self.wq_b(xq).view(t, self.heads, p.head_dim)
+        fp = meta.spans[0][0] if meta.spans else None  # prompt rows: Kernels.linear
+        xq = self.q_norm(self.wq_a(x, fp))  # [T, q_lora_rank]
+        q = self.wq_b(xq, fp).view(t, self.heads, p.head_dim)
         q = self.rope(rms_unweighted(q, self.eps), positions)
-        kv = self.rope(self.kv_norm(self.wkv(x))[:, None], positions)[:, 0]  # [T, D]
+        kv = self.rope(self.kv_norm(self.wkv(x, fp))[:, None], positions)[:, 0]  # [T, D]
         swa_table = meta.tables[cache.swa_group]
         flat = cache.swa.view(-1, p.head_dim)
         flat.index_copy_(
             0, entry_slots(swa_table, positions, 1, cache.swa.shape[1]), kv.to(flat.dtype)
         )
-        keys, mask = self._window(flat, swa_table, positions, cache.swa.shape[1])
         if self.compressor is not None:
-            ck, cmask = self.compressor(x, xq, positions, cache, meta)
-            if ck is not None and cmask is not None:
-                keys, mask = torch.cat([keys, ck], dim=1), torch.cat([mask, cmask], dim=1)
-        o = self._attend(q, keys, mask)  # [T, H, D]
+            self.compressor.write(x, positions, cache, meta, fp)
+        outs = [
+            self._tokens(q[a:b], x[a:b], xq[a:b], positions[a:b], cache, meta.rows(a, b))
+            if first is None
+            else self._block(q[a:b], x[a:b], xq[a:b], positions[a:b], first, cache, meta, a)
+            for a, b, first in _segments(t, meta.spans)
+        ]
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, D]
         o = self.rope(o, positions, inverse=True)
         grouped = o.reshape(t, p.o_groups, -1)
         y = (
@@ -122,7 +139,57 @@ class V4Attention:
             .reshape(t, -1)
             .to(x.dtype)
         )
-        return self.wo_b(y)
+        return self.wo_b(y, fp)
+
+    def _tokens(
+        self,
+        q: torch.Tensor,
+        x: torch.Tensor,
+        xq: torch.Tensor,
+        positions: torch.Tensor,
+        cache: LayerCaches,
+        meta: V4StepMetadata,
+    ) -> torch.Tensor:
+        """Each token gathers its own keys through its row's tables (decode, verify)."""
+        table = meta.tables[cache.swa_group]
+        flat = cache.swa.view(-1, self.p.head_dim)
+        keys, mask = self._window(flat, table, positions, cache.swa.shape[1])
+        if self.compressor is not None:
+            compressed = self.compressor.token_keys(x, xq, positions, cache, meta)
+            if compressed is not None:
+                keys = torch.cat([keys, compressed[0]], dim=1)
+                mask = torch.cat([mask, compressed[1]], dim=1)
+        return self._attend(q, [(keys, mask)])
+
+    def _block(
+        self,
+        q: torch.Tensor,
+        x: torch.Tensor,
+        xq: torch.Tensor,
+        positions: torch.Tensor,
+        first: int,  # host: positions[0]
+        cache: LayerCaches,
+        meta: V4StepMetadata,
+        token: int,  # the block's first token in the step
+    ) -> torch.Tensor:
+        """Consecutive queries of one row: the window's keys are gathered once for the
+        block ([W + n - 1, D] with a band mask), HCA's entries once, CSA's per query."""
+        w, n, end = self.p.sliding_window, q.shape[0], first + q.shape[0]
+        kpos = torch.arange(first - w + 1, end, device=q.device)
+        behind = positions[:, None] - kpos[None, :]
+        band = (kpos >= 0)[None, :] & (behind >= 0) & (behind < w)  # [n, W + n - 1]
+        tables = [t[token : token + 1] for t in meta.tables]
+        flat = cache.swa.view(-1, self.p.head_dim)
+        keys = gather_entries(flat, tables[cache.swa_group], kpos.clamp(min=0)[None],
+                              cache.swa.shape[1], (kpos >= 0)[None])[0]  # fmt: skip
+        parts = [(keys, additive_mask(band))]
+        if self.compressor is not None:
+            table = tables[cache.entries_group]
+            compressed = self.compressor.block_keys(x, xq, positions, end, cache, table)
+            if compressed is not None:
+                parts.append(compressed)
+        assert all(m.shape[0] == n for _, m in parts)
+        return self._attend(q, parts)
 
     def _window(
         self, flat: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, epb: int
@@ -133,13 +200,48 @@ class V4Attention:
         keys = gather_entries(flat, table, kpos.clamp(min=0), epb, valid)
         return keys, additive_mask(valid)
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Softmax over the keys and a per-head sink logit (dropped after the softmax)."""
+    def _attend(
+        self, q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Softmax over every part's keys and a per-head sink logit (dropped after the
+        softmax). A part is keys [T, K, D] per query or [K, D] shared, with its additive
+        mask [T, K]."""
         t, h = q.shape[0], self.heads
-        scores = torch.einsum("thd,tkd->thk", q, keys.to(q.dtype)) * self.scale
-        scores = scores + mask[:, None, :]
-        sinks = self.sinks.view(1, h, 1).expand(t, h, 1).to(scores.dtype)
-        logits = torch.cat([scores, sinks], dim=-1)
+        keys = [k.to(q.dtype) for k, _ in parts]
+        scores = [
+            (torch.einsum(_eq(k, "thd,tkd->thk"), q, k) * self.scale) + m[:, None, :]
+            for k, (_, m) in zip(keys, parts, strict=True)
+        ]
+        sinks = self.sinks.view(1, h, 1).expand(t, h, 1).to(scores[0].dtype)
+        logits = torch.cat([*scores, sinks], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = F.softmax(logits, dim=-1)[..., :-1]
-        return torch.einsum("thk,tkd->thd", probs, keys.to(q.dtype))
+        probs = F.softmax(logits, dim=-1).split([s.shape[-1] for s in scores] + [1], dim=-1)
+        out = [
+            torch.einsum(_eq(k, "thk,tkd->thd"), pr, k)
+            for pr, k in zip(probs[:-1], keys, strict=True)
+        ]
+        o = out[0]
+        for more in out[1:]:
+            o = o + more
+        return o
+
+
+def _eq(keys: torch.Tensor, per_query: str) -> str:
+    """The einsum of keys given per query, or of keys shared by the queries."""
+    return per_query if keys.dim() == 3 else per_query.replace("tkd", "kd")
+
+
+def _segments(
+    num_tokens: int, spans: tuple[tuple[int, int, int], ...]
+) -> Iterator[tuple[int, int, int | None]]:
+    """(start, stop, first position or None) covering the step's tokens in order: prefill
+    rows cut in blocks of `PREFILL_QUERY_BLOCK`, the tokens between them (None) whole."""
+    at = 0
+    for start, n, first in spans:
+        if start > at:
+            yield at, start, None
+        for off in range(0, n, PREFILL_QUERY_BLOCK):
+            yield start + off, start + min(off + PREFILL_QUERY_BLOCK, n), first + off
+        at = start + n
+    if at < num_tokens:
+        yield at, num_tokens, None

@@ -115,37 +115,78 @@ class Compressor:
         proj = torch.cat([w for pool in self.pools for w in (pool.wkv, pool.wgate)])
         self.proj = Linear(kernels, proj, None)  # all [kv | gate] projections in one matmul
 
-    def __call__(
+    def write(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: LayerCaches,
+        meta: V4StepMetadata,
+        first_prefill: int | None,  # tokens [first_prefill, T) are prompt tokens
+    ) -> None:
+        """Store the step's compressor projections, then the entries its tokens close."""
+        assert cache.state is not None and cache.entries is not None
+        state_table = meta.tables[cache.state_group]
+        state = cache.state.view(-1, cache.state.shape[-1])
+        epb_s = cache.state.shape[1]
+        state.index_copy_(
+            0,
+            entry_slots(state_table, positions, 1, epb_s),
+            self.proj(x, first_prefill).to(state.dtype),
+        )
+        entries = cache.entries.view(-1, cache.entries.shape[-1])
+        epb_e = cache.entries.shape[1]
+        table = meta.tables[cache.entries_group]
+        self._close_windows(state, state_table, epb_s, positions, entries, table, epb_e)
+
+    def token_keys(
         self,
         x: torch.Tensor,  # [T, H_model]
         xq: torch.Tensor,  # [T, q_lora_rank]
         positions: torch.Tensor,
         cache: LayerCaches,
         meta: V4StepMetadata,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        assert cache.state is not None and cache.entries is not None
-        state_table = meta.tables[cache.state_group]
-        entry_table = meta.tables[cache.entries_group]
-        state = cache.state.view(-1, cache.state.shape[-1])
-        epb_s = cache.state.shape[1]
-        state.index_copy_(
-            0, entry_slots(state_table, positions, 1, epb_s), self.proj(x).to(state.dtype)
-        )
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # keys [T, K, D], additive mask [T, K]
+        """Each token's compressed keys, gathered through its own row's table."""
+        assert cache.entries is not None
         entries = cache.entries.view(-1, cache.entries.shape[-1])
-        epb_e = cache.entries.shape[1]
-        self._close_windows(state, state_table, epb_s, positions, entries, entry_table, epb_e)
         num = meta.max_len // self.m  # entries any row of the step can have
         if num == 0:
-            return None, None
+            return None
         idx = torch.arange(num, device=x.device).expand(x.shape[0], num)
         valid = idx < ((positions + 1) // self.m)[:, None]
-        stored = gather_entries(entries, entry_table, idx, epb_e, valid)  # [T, E, D (+ Di)]
+        table = meta.tables[cache.entries_group]
+        stored = gather_entries(entries, table, idx, cache.entries.shape[1], valid)
         d = self.p.head_dim
         if not self.csa:
             return stored, additive_mask(valid)
-        top, top_valid = self._index(x, xq, positions, stored[..., d:], valid)
+        top, top_valid = self._top(x, xq, positions, stored[..., d:], valid, None)
         keys = stored[..., :d].gather(1, top[..., None].expand(-1, -1, d))
         return keys, additive_mask(top_valid)
+
+    def block_keys(
+        self,
+        x: torch.Tensor,  # [n, H_model] consecutive tokens of one row
+        xq: torch.Tensor,
+        positions: torch.Tensor,  # [n] first + 0 .. n - 1
+        end: int,  # host: the last position + 1
+        cache: LayerCaches,
+        table: torch.Tensor,  # [1, C] the row's entries table
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Compressed keys of a block of one row's queries: HCA's entries once for the
+        block ([E, D], mask [n, E]); CSA's top-k per query ([n, k, D], mask [n, k])."""
+        assert cache.entries is not None
+        num = end // self.m  # every entry of the block is written by now
+        if num == 0:
+            return None
+        entries = cache.entries.view(-1, cache.entries.shape[-1])
+        idx = torch.arange(num, device=x.device)[None]
+        stored = gather_entries(entries, table, idx, cache.entries.shape[1], idx >= 0)[0]
+        valid = idx < ((positions + 1) // self.m)[:, None]  # [n, E]
+        d = self.p.head_dim
+        if not self.csa:
+            return stored, additive_mask(valid)
+        top, top_valid = self._top(x, xq, positions, stored[:, d:], valid, 0)
+        return stored[:, :d][top], additive_mask(top_valid)
 
     def _close_windows(
         self,
@@ -185,20 +226,22 @@ class Compressor:
         )
         entries.index_copy_(0, dst, torch.cat(rotated, dim=-1).to(entries.dtype))
 
-    def _index(
+    def _top(
         self,
         x: torch.Tensor,
         xq: torch.Tensor,
         positions: torch.Tensor,
-        keys: torch.Tensor,  # [T, E, Di] the indexer's entries
+        keys: torch.Tensor,  # [T, E, Di] the indexer's entries, or [E, Di] shared by all
         valid: torch.Tensor,  # [T, E]
+        first_prefill: int | None,  # 0: prompt rows (a block), None: decode-like rows
     ) -> tuple[torch.Tensor, torch.Tensor]:  # top entries [T, k], and which are valid
         p, t = self.p, x.shape[0]
-        q = self.iq(xq).view(t, p.index_n_heads, p.index_head_dim)
+        q = self.iq(xq, first_prefill).view(t, p.index_n_heads, p.index_head_dim)
         q = self.rope(q, positions)
-        scores = torch.einsum("thd,ted->the", q.float(), keys.float()).relu()
+        eq = "thd,ted->the" if keys.dim() == 3 else "thd,ed->the"
+        scores = torch.einsum(eq, q.float(), keys.float()).relu()
         scores = scores * p.index_head_dim**-0.5
-        weights = self.iw(x).float() * p.index_n_heads**-0.5  # [T, Hi]
+        weights = self.iw(x, first_prefill).float() * p.index_n_heads**-0.5  # [T, Hi]
         total = (scores * weights[..., None]).sum(dim=1)  # [T, E]
         total = total.masked_fill(~valid, float("-inf"))
         top = total.topk(min(p.index_topk, total.shape[1]), dim=-1).indices

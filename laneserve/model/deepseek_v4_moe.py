@@ -10,6 +10,8 @@ expert order (as transformers adds them).
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import torch
 import torch.nn.functional as F
 
@@ -26,21 +28,16 @@ _SCORES = {
 }
 
 
-def clamped_swiglu(h: torch.Tensor, limit: float) -> torch.Tensor:
-    """[.., 2I] (gate | up) -> [.., I]: silu(min(gate, limit)) * clamp(up, -limit, limit)."""
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
 class _Expert:
     def __init__(self, kernels: Kernels, get: WeightGetter, stem: str, limit: float) -> None:
         w13 = torch.cat([get(f"{stem}.w1.weight"), get(f"{stem}.w3.weight")])
         self.w13 = Linear(kernels, w13, None)
         self.w2 = Linear(kernels, get(f"{stem}.w2.weight"), None)
-        self.limit = limit
+        self.kernels, self.limit = kernels, limit
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(clamped_swiglu(self.w13(x), self.limit))
+    def __call__(self, x: torch.Tensor, first_prefill: int | None = None) -> torch.Tensor:
+        h = self.kernels.silu_and_mul(self.w13(x, first_prefill), self.limit)
+        return self.w2(h, first_prefill)
 
 
 class V4MoE:
@@ -71,16 +68,27 @@ class V4MoE:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.p.routed_scaling_factor, chosen
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [T, H]
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, H]
+        ids: torch.Tensor,
+        first_prefill: int | None = None,  # tokens [first_prefill, T) are prompt tokens
+    ) -> torch.Tensor:
         weights, chosen = self.route(x, ids)
-        order, counts, _ = _group_by_expert(chosen)
+        t, k = chosen.shape
+        order, counts, by_token = _group_by_expert(chosen)
+        tokens = [i // k for i in order]  # ascending within each expert's run
         pairs = torch.tensor(order, dtype=torch.int64, device=x.device)
-        tokens = pairs // chosen.shape[1]
-        xs = x.index_select(0, tokens)
+        xs = x.index_select(0, torch.tensor(tokens, dtype=torch.int64, device=x.device))
         outs, row = [], 0
         for e, n in counts:
-            outs.append(self.experts[e](xs[row : row + n]))
+            first = None
+            if first_prefill is not None:  # the run's prompt rows follow its decode rows
+                first = bisect_left(tokens, first_prefill, row, row + n) - row
+            outs.append(self.experts[e](xs[row : row + n], first))
             row += n
         y = torch.cat(outs) * weights.flatten().index_select(0, pairs)[:, None].to(x.dtype)
-        routed = torch.zeros_like(x).index_add_(0, tokens, y)
-        return routed + self.shared(x)
+        # each token's k results summed in expert order, as transformers adds them
+        gather = torch.tensor(by_token, dtype=torch.int64, device=x.device)
+        routed = y.index_select(0, gather).view(t, k, -1).sum(dim=1)
+        return routed + self.shared(x, first_prefill)

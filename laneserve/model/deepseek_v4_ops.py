@@ -1,8 +1,10 @@
 """Small pieces of DeepSeek V4: norms, interleaved partial rope, hyper-connections.
 
 Everything here runs in fp32 whatever the run dtype (transformers keeps these
-modules in fp32), in plain torch ops laid out as transformers computes them, so fp32
-runs agree with it to the last bits where the op order allows.
+modules in fp32). The norms and rope are plain torch ops laid out as transformers
+computes them; the hyper-connections run as two fused kernels per sublayer
+(`Kernels.hyper_pre` / `hyper_post`: one pass per token instead of ~100 small ops, the
+Sinkhorn loop included), with the same formulas in fp32.
 
 Hyper-connections (`hc_mult` = N residual streams per token, [T, N, H]):
 ```
@@ -21,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from laneserve.kernels.base import Kernels
 from laneserve.model.rope import rope_frequencies
 
 WeightGetter = Callable[..., torch.Tensor]  # (name[, dtype]) -> tensor
@@ -66,42 +69,36 @@ class InterleavedRope:
 
 
 class HyperConnection:
-    """The pre / post / comb weights of one block's hyper-connection (see the module doc)."""
+    """The pre / post / comb weights of one block's hyper-connection (see the module doc),
+    computed by `Kernels.hyper_pre` and applied by `Kernels.hyper_post`."""
 
     def __init__(
-        self, get: WeightGetter, stem: str, n: int, iters: int, eps: float, rms_eps: float
+        self,
+        kernels: Kernels,
+        get: WeightGetter,
+        stem: str,
+        n: int,
+        iters: int,
+        eps: float,
+        rms_eps: float,
     ) -> None:
-        self.rms_eps = rms_eps
-        self.fn = get(f"{stem}_fn", torch.float32)  # [(2 + N) N, N H]
-        self.base = get(f"{stem}_base", torch.float32)
-        self.scale = get(f"{stem}_scale", torch.float32)  # [3]
+        self.kernels, self.rms_eps = kernels, rms_eps
+        self.fn = get(f"{stem}_fn", torch.float32).contiguous()  # [(2 + N) N, N H]
+        self.base = get(f"{stem}_base", torch.float32).contiguous()
+        self.scale = get(f"{stem}_scale", torch.float32).contiguous()  # [3]
         self.n, self.iters, self.eps = n, iters, eps
 
     def __call__(self, streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """streams [T, N, H] -> post [T, N], comb [T, N, N], collapsed [T, H]."""
-        n, t = self.n, streams.shape[0]
-        mix = F.linear(rms_unweighted(streams.reshape(t, -1).float(), self.rms_eps), self.fn)
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        s_pre, s_post, s_comb = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.view(t, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return self.kernels.hyper_pre(
+            streams, self.fn, self.base, self.scale, self.iters, self.eps, self.rms_eps
+        )
 
-    @staticmethod
     def expand(
-        post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
+        self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
     ) -> torch.Tensor:
         """stream'_n = post_n * out + sum_j comb[j, n] * stream_j."""
-        dtype = streams.dtype
-        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+        return self.kernels.hyper_post(streams, out, post, comb)
 
 
 class HyperHead:

@@ -254,7 +254,8 @@ class ModelRunner:
         tables = tuple(
             g.block_table.index_select(0, row).to(torch.int64) for g in inp.attention.groups
         )
-        return V4StepMetadata(tables, inp.max_len)
+        spans = tuple((p.token_start, p.num_tokens, p.context_len) for p in inp.prefills)
+        return V4StepMetadata(tables, inp.max_len, spans)
 
     def _logits(self, inp: StepInputs, fwd: _Forward) -> torch.Tensor:
         """[N + Ra * W, V]: the sampling rows' logits rows, then the side rows."""

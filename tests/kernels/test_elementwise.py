@@ -128,3 +128,20 @@ def test_silu_and_mul(ck: CpuKernels, tk: TorchKernels, i: int) -> None:
     torch.testing.assert_close(y, tk.silu_and_mul(x), rtol=2e-6, atol=1e-30)
     for r in range(7):  # row-wise invariance
         assert torch.equal(y[r], ck.silu_and_mul(x[r : r + 1])[0])
+
+
+@pytest.mark.parametrize("i", [512, 13])
+def test_silu_and_mul_with_limit(ck: CpuKernels, tk: TorchKernels, i: int) -> None:
+    """DeepSeek V4's clamped SwiGLU: the gate clamped from above, the up half both ways;
+    a NaN comes through as torch's clamp lets it."""
+    limit = 0.6
+    x = randn(5, 2 * i, seed=i, scale=3.0)
+    x[0, :3] = torch.tensor([float("nan"), 0.7, -5.0])
+    x[0, i : i + 3] = torch.tensor([1.0, float("nan"), -5.0])
+    y = ck.silu_and_mul(x, limit)
+    gate, up = x[:, :i].double(), x[:, i:].double()
+    ref = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    torch.testing.assert_close(y.double(), ref, rtol=2e-6, atol=1e-30, equal_nan=True)
+    torch.testing.assert_close(y, tk.silu_and_mul(x, limit), rtol=2e-6, atol=1e-30, equal_nan=True)
+    assert y[0, :2].isnan().all() and not y[0, 2:].isnan().any()
+    assert not torch.equal(y[1:], ck.silu_and_mul(x)[1:])  # the limit did apply

@@ -151,3 +151,32 @@ def test_bfloat16_run_generates(deepseek_v4_model: Path) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for o in outs:
         assert o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == N
+
+
+def test_blocked_prefill_attention_matches_hf(
+    deepseek_v4_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompt rows attend in blocks of consecutive queries (one gather of the window per
+    block): blocks of 5 queries, not aligned to the window (8) or the rates (4, 8),
+    chunked prefill beside decode rows in the same steps; tokens equal transformers."""
+    from laneserve.model import deepseek_v4_attention as attention
+
+    seen: list[list[bool]] = []  # per attention call: block (True) / per-token segments
+
+    def segments(num_tokens: int, spans: tuple) -> list:
+        out = list(segments_of(num_tokens, spans))
+        seen.append([first is not None for _, _, first in out])
+        return out
+
+    segments_of = attention._segments
+    monkeypatch.setattr(attention, "PREFILL_QUERY_BLOCK", 5)
+    monkeypatch.setattr(attention, "_segments", segments)
+    d = deepseek_v4_model
+    prompts = prompts_of([37, 22, 45], seed=7)
+    with LLM(
+        str(d), dtype="float32", worker_mode="thread", max_num_batched_tokens=13, max_num_seqs=3
+    ) as llm:
+        got = run(llm, prompts, GREEDY)
+    check_against_hf(d, prompts, got)
+    assert any(sum(kinds) > 1 for kinds in seen)  # a row cut into several blocks
+    assert any(True in kinds and False in kinds for kinds in seen)  # blocks beside decode rows

@@ -109,3 +109,37 @@ def test_speculative_greedy_equals_plain(
 def test_checkpoint_without_mtp_layer_is_refused(deepseek_v4_model: Path) -> None:
     with pytest.raises(Exception, match="carries no MTP layer"):
         LLM(str(deepseek_v4_model), dtype="float32", **_spec(1))
+
+
+def test_bfloat16_speculative_greedy_equals_plain(with_mtp: Path) -> None:
+    """bf16 weights: prompt rows take the prompt-row linears (bf16 products where the CPU
+    has them), decode and verify rows the batch-invariant ones, so verifying drafts
+    reproduces plain decoding token for token."""
+    prompts = prompts_of([37, 9, 22], seed=10)
+    with LLM(str(with_mtp), dtype="bfloat16") as llm:
+        plain = run(llm, prompts, GREEDY)
+    with LLM(str(with_mtp), dtype="bfloat16", **_spec(2)) as llm:
+        spec = run(llm, prompts, GREEDY)
+        stats = llm.get_stats()
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] < stats["spec_num_drafts"]
+    assert spec == plain
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_exact_mtp_layer_accepted_fully(tmp_path: Path, async_scheduling: bool) -> None:
+    """The benchmark's exact-MTP checkpoint (a deciding layer, inert layers behind it,
+    an MTP layer copying the first): every draft of k = 2 is accepted, and the tokens
+    are transformers' on the same weights."""
+    from tests.models.tiny_deepseek_v4 import build_exact_deepseek_v4_mtp
+    from tests.tiny_models import hf_greedy
+
+    d = build_exact_deepseek_v4_mtp(tmp_path / "exact", inert_layers=3)
+    prompts = prompts_of([37, 9, 22], seed=11)
+    with LLM(str(d), dtype="float32", async_scheduling=async_scheduling, **_spec(2)) as llm:
+        got = run(llm, prompts, GREEDY)
+        stats = llm.get_stats()
+    assert stats["spec_num_drafts"] > 0
+    assert stats["spec_num_accepted"] == stats["spec_num_drafts"]
+    source = tmp_path / "exact-src"  # the same weights in transformers' layout
+    for p, g in zip(prompts, got, strict=True):
+        assert g == hf_greedy(source, p, len(g))

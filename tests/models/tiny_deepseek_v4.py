@@ -267,3 +267,56 @@ def hf_mtp_reference(release: Path, out: Path) -> Path:
             ref["model.layers.0." + name.removeprefix("mtp.0.")] = t
     save_file(ref, str(out / "model.safetensors"))
     return out
+
+
+def build_exact_deepseek_v4_mtp(
+    out: Path, *, seed: int = 0, inert_layers: int = 0, **overrides: object
+) -> Path:
+    """A release-layout V4 whose next token depends only on the current one, with an
+    `mtp.0` layer that copies its deciding layer, so every draft is the target's next
+    token (DeepSeek V4's MTP speed-up measured without acceptance noise).
+
+    Layer 0 (sliding, scored MoE) decides: its attention output is zeroed and the
+    embedding rows have RMS 1. The `inert_layers` after it have their attention and
+    expert output projections zeroed: full cost, no effect. Every hyper-connection has
+    a zero `fn`, so its weights are constants, and equal post weights keep the streams
+    equal (a mixing matrix whose columns sum to 1 then leaves them as they are). The MTP
+    layer takes the next token's embedding alone (`e_proj` the identity, `h_proj` zero)
+    and copies layer 0, the final norm and `hc_head`."""
+    from safetensors.torch import load_file, save_file
+
+    total = 1 + inert_layers
+    types = list(overrides.pop("layer_types", None) or V4_LAYER_TYPES * total)[:total]
+    mlp = list(overrides.pop("mlp_layer_types", None) or ["moe"] * total)[:total]
+    assert types[0] == "sliding_attention", "the MTP layer's attention is sliding-window"
+    overrides.update(num_hidden_layers=total, layer_types=types, mlp_layer_types=["moe", *mlp[1:]])
+    src = build_tiny_deepseek_v4(out.with_name(out.name + "-src"), seed=seed, **overrides)
+    w = load_file(str(src / "model.safetensors"))
+    n = int(json.loads((src / "config.json").read_text())["hc_mult"])
+    emb = w["model.embed_tokens.weight"]
+    w["model.embed_tokens.weight"] = emb / emb.pow(2).mean(-1, keepdim=True).sqrt()
+    for name, t in w.items():
+        if name.endswith(("hc_attn_fn", "hc_ffn_fn", "hc_head.hc_fn")):
+            t.zero_()
+        if name.endswith(("hc_attn_base", "hc_ffn_base")):
+            t[n : 2 * n] = 0.0  # post weights 2 sigmoid(0) = 1 on every stream
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if layer is not None and name.endswith("attn.wo_b.weight"):
+            t.zero_()
+        if layer not in (None, "0") and name.endswith("w2.weight"):
+            t.zero_()  # routed and shared experts of the inert layers
+    save_file(w, str(src / "model.safetensors"))
+    to_release_layout(src, out)
+    state = load_file(str(out / "model.safetensors"))
+    h = state["embed.weight"].shape[1]
+    mtp = {"mtp.0." + k.removeprefix("layers.0."): t.clone() for k, t in state.items()
+           if k.startswith("layers.0.")}  # fmt: skip
+    mtp["mtp.0.e_proj.weight"] = torch.eye(h)
+    mtp["mtp.0.h_proj.weight"] = torch.zeros(h, h)
+    mtp["mtp.0.enorm.weight"] = torch.ones(h)
+    mtp["mtp.0.hnorm.weight"] = torch.ones(h)
+    mtp["mtp.0.norm.weight"] = state["norm.weight"].clone()
+    for part in ("fn", "base", "scale"):
+        mtp[f"mtp.0.hc_head_{part}"] = state[f"hc_head_{part}"].clone()
+    save_file({**state, **mtp}, str(out / "model.safetensors"))
+    return out
