@@ -10,10 +10,11 @@ entry w pools Ca of window w - 1 with Cb of window w (2m slots; window -1 is emp
  state group   per token: [kv | gate] projections (CSA: both series, and the indexer's)
  entries group per m tokens: the entry (CSA: the attention entry, then the indexer's)
 ```
-Every token computes "the entry of the window it is in, as if it closed it"; only the
-token that does close it (position % m == m - 1) stores it, the others write to the
-row's scratch slot (its table's padding column). The entry depends only on state at
-positions, so recomputing it is idempotent.
+Every decode or verify token computes "the entry of the window it is in, as if it
+closed it"; only the token that does close it (position % m == m - 1) stores it, the
+others write to the row's scratch slot (its table's padding column). In a prompt row,
+whose positions the host knows, only the closing tokens compute it. The entry depends
+only on state at positions, so recomputing it is idempotent.
 
 The indexer scores entry s for query t as sum_h w_{t,h} relu(q_{t,h} . k_s) and keeps
 the top `index_topk` entries among those whose window has closed.
@@ -136,6 +137,13 @@ class Compressor:
         entries = cache.entries.view(-1, cache.entries.shape[-1])
         epb_e = cache.entries.shape[1]
         table = meta.tables[cache.entries_group]
+        rows = closing_rows(positions.shape[0], meta.spans, self.m)
+        if rows is not None:  # prompt rows: only the tokens that close a window
+            if not rows:
+                return
+            idx = torch.tensor(rows, dtype=torch.int64, device=positions.device)
+            state_table, positions = state_table.index_select(0, idx), positions[idx]
+            table = table.index_select(0, idx)
         self._close_windows(state, state_table, epb_s, positions, entries, table, epb_e)
 
     def token_keys(
@@ -246,6 +254,23 @@ class Compressor:
         total = total.masked_fill(~valid, float("-inf"))
         top = total.topk(min(p.index_topk, total.shape[1]), dim=-1).indices
         return top, valid.gather(1, top)
+
+
+def closing_rows(
+    num_tokens: int, spans: tuple[tuple[int, int, int], ...], m: int
+) -> list[int] | None:
+    """The step's tokens that compute an entry: every token outside the prefill spans
+    (their positions are not read on the host), and in a span only those at position
+    m - 1 (mod m); None when every token does (no spans)."""
+    if not spans:
+        return None
+    rows, at = [], 0
+    for start, n, first in spans:
+        rows.extend(range(at, start))
+        rows.extend(range(start + (m - 1 - first) % m, start + n, m))
+        at = start + n
+    rows.extend(range(at, num_tokens))
+    return rows
 
 
 def additive_mask(valid: torch.Tensor) -> torch.Tensor:

@@ -57,15 +57,18 @@ class InterleavedRope:
         self.sin = (freqs.sin() * attn).to(device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False):
-        cos = self.cos.index_select(0, positions).repeat_interleave(2, dim=-1)[:, None]
-        sin = self.sin.index_select(0, positions).repeat_interleave(2, dim=-1)[:, None]
+        half = self.cos.shape[-1]
+        cos = self.cos.index_select(0, positions)[:, None]  # [T, 1, rope_dim / 2]
+        sin = self.sin.index_select(0, positions)[:, None]
         if inverse:
             sin = -sin
-        rd = cos.shape[-1]
-        nope, rope = x[..., :-rd], x[..., -rd:]
-        swapped = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-        rotated = (rope.float() * cos + swapped.float() * sin).to(x.dtype)
-        return torch.cat([nope, rotated], dim=-1)
+        pairs = x[..., -2 * half :].unflatten(-1, (half, 2)).float()
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        out = x.clone()
+        rotated = out[..., -2 * half :].unflatten(-1, (half, 2))
+        rotated[..., 0] = x0 * cos - x1 * sin
+        rotated[..., 1] = x1 * cos + x0 * sin
+        return out
 
 
 class HyperConnection:

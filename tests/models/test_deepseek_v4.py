@@ -180,3 +180,13 @@ def test_blocked_prefill_attention_matches_hf(
     check_against_hf(d, prompts, got)
     assert any(sum(kinds) > 1 for kinds in seen)  # a row cut into several blocks
     assert any(True in kinds and False in kinds for kinds in seen)  # blocks beside decode rows
+
+
+def test_only_closing_prompt_tokens_compute_entries() -> None:
+    from laneserve.model.deepseek_v4_compressor import closing_rows
+
+    assert closing_rows(10, (), 4) is None  # no prompt rows: every token computes
+    # tokens 0, 1 decode; tokens 2..10 a prompt row at positions 5..13; token 11 decode
+    assert closing_rows(12, ((2, 9, 5),), 4) == [0, 1, 4, 8, 11]
+    assert closing_rows(3, ((0, 3, 0),), 4) == []  # no window closes
+    assert closing_rows(8, ((0, 8, 0),), 8) == [7]
