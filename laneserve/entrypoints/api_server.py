@@ -33,7 +33,7 @@ from laneserve.entrypoints.middleware import GuardMiddleware
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from laneserve.entrypoints.streams import SSEResponse, client_left, close_all, merged
 from laneserve.frontend.async_llm import AsyncLLM
-from laneserve.frontend.output_processor import Delta
+from laneserve.frontend.output_processor import Delta, RequestState
 from laneserve.obs.metrics import RequestTimes, ServerMetrics
 from laneserve.sampling_params import SamplingParams
 from laneserve.tool_calls.choice import ToolPlan
@@ -332,18 +332,30 @@ def _record(state: ServerState, d: Delta, clock: dict[int, float]) -> None:
         clock[key] = now
     if d.finished:
         clock.pop(key, None)
-        req = st.request
-        state.metrics.observe_request(
-            RequestTimes(
-                arrival=req.arrival_time,
-                scheduled=req.scheduled_time,
-                first_token=st.first_token_time,
-                finished=now,
-                num_prompt=len(req.prompt_token_ids),
-                num_output=len(st.token_ids),
-                reason="error" if st.error else st.finish_reason,
-            )
+        _finished(state, st, now, "error" if st.error else st.finish_reason)
+
+
+def record_aborted(state: ServerState, dropped: list[RequestState]) -> None:
+    """Samples dropped because their client left (AsyncLLM.on_abort): no delta reports
+    them, so they are counted here as finished with reason "abort"."""
+    now = time.monotonic()
+    for st in dropped:
+        _finished(state, st, now, "abort")
+
+
+def _finished(state: ServerState, st: RequestState, now: float, reason: str | None) -> None:
+    req = st.request
+    state.metrics.observe_request(
+        RequestTimes(
+            arrival=req.arrival_time,
+            scheduled=req.scheduled_time,
+            first_token=st.first_token_time,
+            finished=now,
+            num_prompt=len(req.prompt_token_ids),
+            num_output=len(st.token_ids),
+            reason=reason,
         )
+    )
 
 
 # -- middleware and errors ---------------------------------------------------------

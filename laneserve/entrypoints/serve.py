@@ -119,7 +119,7 @@ def run(ns: argparse.Namespace) -> int:
     # NOTE: imported here, not at the top: building the parser (`--help`) stays light
     import uvicorn
 
-    from laneserve.entrypoints.api_server import ServerState, build_app
+    from laneserve.entrypoints.api_server import ServerState, build_app, record_aborted
     from laneserve.frontend.async_llm import AsyncLLM
 
     if ns.model_tag is not None:
@@ -153,6 +153,7 @@ def run(ns: argparse.Namespace) -> int:
         tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
     )
     llm.on_step = lambda engine, deltas: state.metrics.refresh(engine)
+    llm.on_abort = lambda dropped: record_aborted(state, dropped)
     app = build_app(state)
     server = _draining_server(
         uvicorn.Config(

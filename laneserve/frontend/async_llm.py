@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from laneserve.config import EngineConfig
 from laneserve.frontend.engine import LLMEngine
-from laneserve.frontend.output_processor import Delta
+from laneserve.frontend.output_processor import Delta, RequestState
 from laneserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,9 @@ class AsyncLLM:
     ) -> None:
         self.config = config
         self.on_step = on_step
+        # called on the engine thread with the unfinished samples a caller's abort dropped
+        # (a closed stream: the client left), which no delta reports
+        self.on_abort: Callable[[list[RequestState]], None] | None = None
         self.engine: LLMEngine | None = None
         self.load_error: BaseException | None = None
         self.restarting = False
@@ -248,7 +251,9 @@ class AsyncLLM:
             self._deliver(eng.check_worker())
         elif isinstance(cmd, _Abort):
             if cmd.request_id in eng.groups:
-                eng.abort(cmd.request_id)
+                dropped = eng.abort(cmd.request_id)
+                if dropped and self.on_abort is not None:
+                    self.on_abort(dropped)
             self._sinks.pop(cmd.request_id, None)
         elif isinstance(cmd, _FailAll):
             for request_id in list(self._sinks):

@@ -103,10 +103,15 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> list[RequestState]:
+        """Drop every sample of the request; returns those that had not finished."""
+        dropped = []
         for state in self.groups.pop(request_id, []):
+            if state.finish_reason is None and state.error is None:
+                dropped.append(state)
             self.core.abort(state.request)
-            self.processor.abort(state.request.handle)
+            self.processor.abort(state.request.handle)  # sets its finish_reason
+        return dropped
 
     def step(self) -> list[Delta]:
         return self._process(self.core.step())

@@ -182,6 +182,17 @@ def _open_raw(server: Server, body: dict) -> socket.socket:
     return sock
 
 
+def _aborted(server: Server) -> float:
+    """vllm:request_success_total{finished_reason="abort"}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+        for s in family.samples:
+            if s.name == "vllm:request_success_total" and s.labels["finished_reason"] == "abort":
+                return s.value
+    return 0.0
+
+
 def _idle(server: Server) -> bool:
     m = server.metrics()
     return m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
@@ -191,7 +202,7 @@ def _idle(server: Server) -> bool:
 def test_client_that_leaves_is_aborted(server: Server, stream: bool) -> None:
     reference = server.greedy()
     wait_for(lambda: _idle(server), "an idle engine")
-    before = server.metrics()[GEN]
+    before, aborted = server.metrics()[GEN], _aborted(server)
     body = {
         "model": "tiny",
         "prompt": PROMPT,
@@ -207,6 +218,8 @@ def test_client_that_leaves_is_aborted(server: Server, stream: bool) -> None:
     wait_for(lambda: _idle(server), "no request running or waiting")
     stopped_at = server.metrics()[GEN]
     assert stopped_at - before < ABANDON_N * ABANDON_TOKENS, "the request ran to its end"
+    # every sample is counted as finished by abort
+    wait_for(lambda: _aborted(server) == aborted + ABANDON_N, "the aborts to be counted")
     # the counter stopped: all that moves it now is one normal request's 12 tokens
     assert server.greedy() == reference
     wait_for(lambda: server.metrics()[GEN] >= stopped_at + 12, "the counter to update")
