@@ -264,7 +264,8 @@ def closing_rows(
     m - 1 (mod m); None when every token does (no spans)."""
     if not spans:
         return None
-    rows, at = [], 0
+    rows: list[int] = []
+    at = 0
     for start, n, first in spans:
         rows.extend(range(at, start))
         rows.extend(range(start + (m - 1 - first) % m, start + n, m))
