@@ -126,7 +126,7 @@ class V4Layer:
         out = self.attn(self.attn_norm(x), positions, cache, meta)
         streams = self.hc_attn.expand(post, comb, out, streams)
         post, comb, x = self.hc_ffn(streams)
-        out = self.ffn(self.ffn_norm(x), ids, meta.spans[0][0] if meta.spans else None)
+        out = self.ffn(self.ffn_norm(x), ids, meta.first_prefill)
         return self.hc_ffn.expand(post, comb, out, streams)
 
 

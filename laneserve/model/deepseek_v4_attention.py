@@ -55,6 +55,11 @@ class V4StepMetadata:
     # attend in blocks (`PREFILL_QUERY_BLOCK`), every other token on its own
     spans: tuple[tuple[int, int, int], ...] = ()
 
+    @property
+    def first_prefill(self) -> int | None:
+        """The first prompt token (they follow the decode-like ones), for Linear."""
+        return self.spans[0][0] if self.spans else None
+
     def rows(self, start: int, stop: int) -> V4StepMetadata:
         """The metadata of tokens start .. stop - 1 attended one by one."""
         return V4StepMetadata(tuple(t[start:stop] for t in self.tables), self.max_len)
@@ -113,7 +118,7 @@ class V4Attention:
         meta: V4StepMetadata,
     ) -> torch.Tensor:
         p, t = self.p, x.shape[0]
-        fp = meta.spans[0][0] if meta.spans else None  # prompt rows: Kernels.linear
+        fp = meta.first_prefill
         xq = self.q_norm(self.wq_a(x, fp))  # [T, q_lora_rank]
         q = self.wq_b(xq, fp).view(t, self.heads, p.head_dim)
         q = self.rope(rms_unweighted(q, self.eps), positions)
@@ -178,13 +183,13 @@ class V4Attention:
         kpos = torch.arange(first - w + 1, end, device=q.device)
         behind = positions[:, None] - kpos[None, :]
         band = (kpos >= 0)[None, :] & (behind >= 0) & (behind < w)  # [n, W + n - 1]
-        tables = [t[token : token + 1] for t in meta.tables]
         flat = cache.swa.view(-1, self.p.head_dim)
-        keys = gather_entries(flat, tables[cache.swa_group], kpos.clamp(min=0)[None],
-                              cache.swa.shape[1], (kpos >= 0)[None])[0]  # fmt: skip
+        table = meta.tables[cache.swa_group][token : token + 1]
+        keys = gather_entries(flat, table, kpos.clamp(min=0)[None], cache.swa.shape[1],
+                              (kpos >= 0)[None])[0]  # fmt: skip
         parts = [(keys, additive_mask(band))]
         if self.compressor is not None:
-            table = tables[cache.entries_group]
+            table = meta.tables[cache.entries_group][token : token + 1]
             compressed = self.compressor.block_keys(x, xq, positions, end, cache, table)
             if compressed is not None:
                 parts.append(compressed)

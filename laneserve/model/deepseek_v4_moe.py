@@ -10,8 +10,6 @@ expert order (as transformers adds them).
 
 from __future__ import annotations
 
-from bisect import bisect_left
-
 import torch
 import torch.nn.functional as F
 
@@ -19,7 +17,7 @@ from laneserve.model.arch import UnsupportedModelError
 from laneserve.model.deepseek_v4_config import DeepseekV4Params
 from laneserve.model.deepseek_v4_ops import WeightGetter
 from laneserve.model.layers import Kernels, Linear
-from laneserve.model.moe import _group_by_expert
+from laneserve.model.moe import grouped_experts
 
 _SCORES = {
     "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
@@ -75,20 +73,9 @@ class V4MoE:
         first_prefill: int | None = None,  # tokens [first_prefill, T) are prompt tokens
     ) -> torch.Tensor:
         weights, chosen = self.route(x, ids)
-        t, k = chosen.shape
-        order, counts, by_token = _group_by_expert(chosen)
-        tokens = [i // k for i in order]  # ascending within each expert's run
-        pairs = torch.tensor(order, dtype=torch.int64, device=x.device)
-        xs = x.index_select(0, torch.tensor(tokens, dtype=torch.int64, device=x.device))
-        outs, row = [], 0
-        for e, n in counts:
-            first = None
-            if first_prefill is not None:  # the run's prompt rows follow its decode rows
-                first = bisect_left(tokens, first_prefill, row, row + n) - row
-            outs.append(self.experts[e](xs[row : row + n], first))
-            row += n
-        y = torch.cat(outs) * weights.flatten().index_select(0, pairs)[:, None].to(x.dtype)
-        # each token's k results summed in expert order, as transformers adds them
-        gather = torch.tensor(by_token, dtype=torch.int64, device=x.device)
-        routed = y.index_select(0, gather).view(t, k, -1).sum(dim=1)
+
+        def expert(e: int, rows: torch.Tensor, first: int | None) -> torch.Tensor:
+            return self.experts[e](rows, first)
+
+        routed = grouped_experts(x, weights, chosen, expert, first_prefill)
         return routed + self.shared(x, first_prefill)

@@ -15,6 +15,7 @@ order (the order transformers adds them in).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 
 import torch
@@ -99,22 +100,46 @@ class MoE:
         return out
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        t, k = ids.shape
-        order, counts, by_token = _group_by_expert(ids)
-        dev = x.device
-        pairs = torch.tensor(order, dtype=torch.int64, device=dev)  # (token, slot) by expert
-        xs = x.index_select(0, torch.div(pairs, k, rounding_mode="floor"))
-        outs, row = [], 0
-        for e, n in counts:
-            outs.append(self.w2[e](self.kernels.silu_and_mul(self.w13[e](xs[row : row + n]))))
-            row += n
-        y = outs[0] if len(outs) == 1 else torch.cat(outs)
-        y = y * weights.flatten().index_select(0, pairs)[:, None].to(x.dtype)
-        # NOTE: each token's k results summed in expert order (the gather puts them so),
-        # as an index_add_ over the sorted rows would; one gather and one reduction
-        # instead of a zero fill and a scatter-add, which is slow on CPU
-        gather = torch.tensor(by_token, dtype=torch.int64, device=dev)
-        return y.index_select(0, gather).view(t, k, -1).sum(dim=1)
+        def expert(e: int, xs: torch.Tensor, _: int | None) -> torch.Tensor:
+            return self.w2[e](self.kernels.silu_and_mul(self.w13[e](xs)))
+
+        return grouped_experts(x, weights, ids, expert)
+
+
+ExpertFn = Callable[[int, torch.Tensor, int | None], torch.Tensor]  # (e, rows, first_prefill)
+
+
+def grouped_experts(
+    x: torch.Tensor,  # [T, H]
+    weights: torch.Tensor,  # [T, k] routing weights
+    ids: torch.Tensor,  # [T, k] chosen experts
+    expert: ExpertFn,
+    first_prefill: int | None = None,  # tokens [first_prefill, T) are prompt tokens
+) -> torch.Tensor:  # [T, H]
+    """Run each expert once on its (token, slot) rows, weight them, and sum each token's k
+    results in expert order. An expert's rows keep the step's token order, so its decode
+    rows come before its prompt rows and `expert` gets the index of its first prompt row
+    (None: no split asked for)."""
+    t, k = ids.shape
+    order, counts, by_token = _group_by_expert(ids)
+    dev = x.device
+    tokens = [i // k for i in order]  # ascending within each expert's run
+    pairs = torch.tensor(order, dtype=torch.int64, device=dev)  # (token, slot) by expert
+    xs = x.index_select(0, torch.tensor(tokens, dtype=torch.int64, device=dev))
+    outs, row = [], 0
+    for e, n in counts:
+        first = None
+        if first_prefill is not None:
+            first = bisect_left(tokens, first_prefill, row, row + n) - row
+        outs.append(expert(e, xs[row : row + n], first))
+        row += n
+    y = outs[0] if len(outs) == 1 else torch.cat(outs)
+    y = y * weights.flatten().index_select(0, pairs)[:, None].to(x.dtype)
+    # NOTE: each token's k results summed in expert order (the gather puts them so),
+    # as an index_add_ over the sorted rows would; one gather and one reduction
+    # instead of a zero fill and a scatter-add, which is slow on CPU
+    gather = torch.tensor(by_token, dtype=torch.int64, device=dev)
+    return y.index_select(0, gather).view(t, k, -1).sum(dim=1)
 
 
 def _group_by_expert(
