@@ -15,6 +15,10 @@ TORCH_LIBRARY(laneserve, m) {
       "linear_prefill(Tensor x, Tensor w, int out_features, Tensor? bias, int first_prefill, "
       "int method=0) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor w, int out_features, int qtype, Tensor? bias) -> Tensor");
+  m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "quant_linear_q8(Tensor x, Tensor w, int out_features, int qtype, Tensor? bias) -> "
+      "Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def(
@@ -55,6 +59,8 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("linear", &laneserve::linear);
   m.impl("linear_prefill", &laneserve::linear_prefill);
   m.impl("quant_linear", &laneserve::quant_linear);
+  m.impl("quantize_q8", &laneserve::quantize_q8);
+  m.impl("quant_linear_q8", &laneserve::quant_linear_q8);
   m.impl("rms_norm", &laneserve::rms_norm);
   m.impl("fused_add_rms_norm", &laneserve::fused_add_rms_norm);
   m.impl("rotary_embedding", &laneserve::rotary_embedding);

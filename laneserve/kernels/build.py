@@ -46,6 +46,7 @@ SOURCES = tuple(
         "linear_amx.cpp",
         "linear_dpbf16.cpp",
         "quant_linear.cpp",
+        "quant_linear_q8.cpp",
         "elementwise.cpp",
         "hyper.cpp",
         "attention.cpp",
@@ -70,6 +71,7 @@ AMX_ENV = "LANESERVE_KERNEL_AMX"  # "0": prefill rows use the decode kernel even
 AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 DPBF16_ENV = "LANESERVE_KERNEL_DPBF16"  # "0": no AVX-512 BF16 prompt-row path
 DPBF16_CPU_FLAG = "avx512_bf16"
+VNNI_CPU_FLAG = "avx512_vnni"  # quant_linear_q8: GGUF weights with int8 activations
 _OFF = ("0", "false", "no", "off")
 
 # NOTE: -ffp-contract=off: the kernels place every FMA explicitly; letting the compiler
@@ -100,7 +102,7 @@ OPS = (
 )
 # Ops that one of OPS uses behind the protocol (CpuKernels.linear: prompt rows on AMX,
 # GGUF-packed weights).
-INTERNAL_OPS = ("linear_prefill", "quant_linear")
+INTERNAL_OPS = ("linear_prefill", "quant_linear", "quantize_q8", "quant_linear_q8")
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ class KernelLib:
     isa: str = "avx2"  # linear's instruction set: "avx2" | "avx512" (see linear_isa)
     amx: bool = False  # prefill rows of bf16 linears use AMX (see prefill_amx)
     dpbf16: bool = False  # ... or, without AMX, AVX-512 BF16 dot products (prefill_dpbf16)
+    vnni: bool = False  # GGUF weights with int8 activations run natively (quant_linear_q8)
 
     def op(self, name: str) -> Any:
         return getattr(self.ops, name)
@@ -176,6 +179,12 @@ def prefill_dpbf16(isa: str, amx: bool) -> bool:
     if amx or os.environ.get(DPBF16_ENV, "").strip().lower() in _OFF:
         return False
     return isa == "avx512" and DPBF16_CPU_FLAG in (cpu_flags() or set())
+
+
+def q8_vnni(isa: str) -> bool:
+    """True where ``quant_linear_q8`` can run: ``isa`` is "avx512" and the CPU has
+    avx512_vnni (elsewhere such weights take TorchKernels' exact reference)."""
+    return isa == "avx512" and VNNI_CPU_FLAG in (cpu_flags() or set())
 
 
 def read_sources(directory: Path = KERNEL_DIR) -> dict[str, str]:
@@ -359,7 +368,9 @@ def load_kernels() -> KernelLib | None:
     if lib is None:
         return None
     amx = prefill_amx(isa)
-    return dataclasses.replace(lib, isa=isa, amx=amx, dpbf16=prefill_dpbf16(isa, amx))
+    return dataclasses.replace(
+        lib, isa=isa, amx=amx, dpbf16=prefill_dpbf16(isa, amx), vnni=q8_vnni(isa)
+    )
 
 
 @functools.cache

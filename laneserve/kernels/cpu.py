@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from laneserve.kernels import quant, weights
+from laneserve.kernels import q8, quant, weights
 from laneserve.kernels.base import PAGED_ATTENTION_MAX_HEAD_DIM
 from laneserve.kernels.build import KernelLib
 from laneserve.kernels.quant import QuantWeight
@@ -26,6 +26,8 @@ _ISA_LAYOUT = {"avx2": LAYOUT_BLOCKED, "avx512": LAYOUT_BLOCKED_512}
 # GGUF weights kept quantized (quant_linear.cpp, AVX-512): layout name -> the op's qtype
 _HYPER_DTYPES = {torch.float32, torch.bfloat16}  # hyper.cpp's streams / outputs
 _GGUF_LAYOUT = {f"gguf-{name}-avx512": code for name, code in quant.QTYPE_CODE.items()}
+# ... with int8 activations (quant_linear_q8.cpp, AVX-512 VNNI)
+_GGUF_Q8_LAYOUT = {f"gguf-{name}-q8-vnni": code for name, code in quant.QTYPE_CODE.items()}
 
 
 class CpuKernels:
@@ -48,6 +50,7 @@ class CpuKernels:
         self._linear = ops.linear
         self._linear_prefill = ops.linear_prefill
         self._quant_linear = ops.quant_linear
+        self._quant_linear_q8 = ops.quant_linear_q8
         self._rms_norm = ops.rms_norm
         self._fused_add_rms_norm = ops.fused_add_rms_norm
         self._rotary = ops.rotary_embedding
@@ -67,6 +70,7 @@ class CpuKernels:
         self._isa = _ISA_CODE[lib.isa]
         self.amx = lib.amx  # prefill rows of bf16 linears use AMX tiles (linear_amx.cpp)
         self.dpbf16 = lib.dpbf16  # ... or AVX-512 BF16 dot products (linear_dpbf16.cpp)
+        self.vnni = lib.vnni  # GGUF weights with int8 activations natively (q8.py)
         # linear_prefill's method: 0 AMX, 1 AVX-512 BF16; None: prompt rows as decode rows
         self._prefill_method = 0 if lib.amx else 1 if lib.dpbf16 else None
 
@@ -84,6 +88,10 @@ class CpuKernels:
         """A GGUF-quantized weight kept quantized (AVX-512: quant_linear.cpp's layout);
         elsewhere its exact fp32 dequantization, which ``linear`` maps to the same bits."""
         n, k = w.shape
+        if w.activations == "q8":  # int8 activations: VNNI, else the exact torch reference
+            if not self.vnni:
+                return self._fallback.pack_gguf_weight(w)
+            return PackedWeight(q8.repack(w), n, k, torch.uint8, f"gguf-{w.qtype}-q8-vnni")
         if self.isa != "avx512":
             return self.pack_linear_weight(quant.dequantize(w))
         return PackedWeight(quant.repack(w), n, k, torch.uint8, f"gguf-{w.qtype}-avx512")
@@ -105,7 +113,13 @@ class CpuKernels:
                 x, w.data, w.out_features, bias, first_prefill, self._prefill_method
             )
         if w.dtype is torch.uint8:  # GGUF blocks (pack_gguf_weight)
-            return self._quant_linear(x, w.data, w.out_features, _GGUF_LAYOUT[w.layout], bias)
+            code = _GGUF_LAYOUT.get(w.layout)
+            if code is not None:
+                return self._quant_linear(x, w.data, w.out_features, code, bias)
+            code = _GGUF_Q8_LAYOUT[w.layout]
+            return self._quant_linear_q8(x, w.data, w.out_features, code, bias)
+        if w.layout.endswith(q8.TORCH_LAYOUT_SUFFIX):  # no VNNI: the exact reference
+            return self._fallback.linear(x, w, bias)
         return self._linear(x, w.data, w.out_features, bias, self._isa, w.scale)
 
     def rms_norm(

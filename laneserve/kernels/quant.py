@@ -50,8 +50,13 @@ class QuantWeight:
     data: torch.Tensor
     qtype: str
     in_features: int
+    # "fp32": multiplied in fp32 (the exact dequantized values, module NOTE); "q8": by
+    # activations rounded to int8 per 32 (q8.py, llama.cpp's arithmetic)
+    activations: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.activations not in ("fp32", "q8"):
+            raise ValueError(f"activations must be 'fp32' or 'q8', got {self.activations!r}")
         if self.qtype not in GGUF_BLOCKS:
             raise ValueError(f"unsupported GGUF weight type {self.qtype!r}; supported: {QTYPES}")
         block, nbytes = GGUF_BLOCKS[self.qtype]
@@ -75,9 +80,11 @@ def cat_rows(parts: Sequence[torch.Tensor | QuantWeight]) -> torch.Tensor | Quan
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(list(parts))  # type: ignore[arg-type]
     quant = [p for p in parts if isinstance(p, QuantWeight)]
-    same = len(quant) == len(parts) and len({(q.qtype, q.in_features) for q in quant}) == 1
-    if same:
-        return QuantWeight(torch.cat([q.data for q in quant]), quant[0].qtype, quant[0].in_features)
+    kinds = {(q.qtype, q.in_features, q.activations) for q in quant}
+    if len(quant) == len(parts) and len(kinds) == 1:
+        first = quant[0]
+        data = torch.cat([q.data for q in quant])
+        return QuantWeight(data, first.qtype, first.in_features, first.activations)
     dense = [dequantize(p) if isinstance(p, QuantWeight) else p.float() for p in parts]
     return torch.cat(dense)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from laneserve.kernels import quant, weights
+from laneserve.kernels import q8, quant, weights
 from laneserve.kernels.quant import QuantWeight
 from laneserve.kernels.weights import PackedWeight
 
@@ -42,6 +42,11 @@ class TorchKernels:
         return PackedWeight(data.contiguous(), w.shape[0], w.shape[1], dtype, LAYOUT_TORCH)
 
     def pack_gguf_weight(self, w: QuantWeight) -> PackedWeight:
+        if w.activations == "q8":  # the common form, for q8.reference_linear
+            q, s, o = quant.common_form(w)
+            n, k = w.shape
+            layout = f"gguf-{w.qtype}{q8.TORCH_LAYOUT_SUFFIX}"
+            return PackedWeight(q.contiguous(), n, k, torch.int16, layout, s, o)
         # The exact fp32 values the native kernel computes (quant.py), stored dense.
         return self.pack_linear_weight(quant.dequantize(w))
 
@@ -52,6 +57,9 @@ class TorchKernels:
         bias: torch.Tensor | None = None,  # [N]
         first_prefill: int | None = None,  # unused: every row takes the same path here
     ) -> torch.Tensor:  # [M, N], x.dtype
+        if w.layout.endswith(q8.TORCH_LAYOUT_SUFFIX):
+            assert w.scale is not None
+            return q8.reference_linear(x, w.data, w.scale, w.offset, bias)
         weight = w.data if w.data.dtype == x.dtype else w.data.to(x.dtype)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)

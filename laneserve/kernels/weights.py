@@ -25,7 +25,9 @@ class PackedWeight:
     in_features: int
     dtype: torch.dtype  # the weight's dtype as packed: the original's, or torch.int8
     layout: str
-    scale: torch.Tensor | None = None  # [N] fp32 column scales of int8 weights
+    scale: torch.Tensor | None = None  # [N] fp32 column scales of int8 weights; [N, K/32]
+    # group scales of TorchKernels' GGUF weights with int8 activations (q8.py)
+    offset: torch.Tensor | None = None  # [N, K/32] fp32 group offsets of the latter (q4_1, q4_k)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
