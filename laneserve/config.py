@@ -17,8 +17,9 @@ import msgspec
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 WORKER_MODES = ("thread", "process")
-# GGUF linear weights: kept in their quantized blocks (CPU kernels) or dequantized to dtype
-GGUF_WEIGHTS = ("quantized", "dequantized")
+# GGUF linear weights: kept in their quantized blocks (CPU kernels; "q8-dot" also rounds the
+# activations to int8 per 32 for integer dot products) or dequantized to dtype
+GGUF_WEIGHTS = ("quantized", "q8-dot", "dequantized")
 DEFAULT_MAX_N = 128  # most choices (prompts x n) in one server request
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # `laneserve serve`: larger HTTP bodies are refused
 

@@ -83,7 +83,9 @@ class EngineArgs:
         ModelConfig,
         "gguf_weights",
         "GGUF files on CPU: keep q4_0/q4_1/q8_0/q4_k linear weights quantized (the same "
-        "results as dtype float32), or dequantize every weight to --dtype",
+        "results as dtype float32); q8-dot: keep them quantized and round activations to "
+        "int8 per 32 for integer dot products (llama.cpp's arithmetic, fastest); or "
+        "dequantize every weight to --dtype",
         choices=GGUF_WEIGHTS,
     )
     device: str = _from_config(

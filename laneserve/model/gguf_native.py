@@ -20,7 +20,6 @@ from laneserve.model.gguf import _hf_name, _unpermute
 
 log = logging.getLogger(__name__)
 
-GGUF_WEIGHT_MODES = ("quantized", "dequantized")
 # HF names whose weights stay quantized: the decoder's projections and the LM head
 _LINEAR_SUFFIXES = (
     "q_proj.weight",
@@ -36,10 +35,11 @@ _LINEAR_SUFFIXES = (
 class GgufQuantWeights:
     """HF name -> QuantWeight for the file's natively supported linear weights."""
 
-    def __init__(self, path: Path, config: dict) -> None:
+    def __init__(self, path: Path, config: dict, activations: str = "fp32") -> None:
         import gguf
 
         self.path = path
+        self.activations = activations  # QuantWeight.activations: "fp32" or "q8"
         reader = gguf.GGUFReader(str(path))
         self._tensors = {}
         for t in reader.tensors:
@@ -56,7 +56,11 @@ class GgufQuantWeights:
             "q_proj.weight": config["num_attention_heads"],
             "k_proj.weight": config["num_key_value_heads"],
         }
-        log.info("GGUF weights kept quantized: %d linear weights", len(self._tensors))
+        log.info(
+            "GGUF weights kept quantized: %d linear weights (activations %s)",
+            len(self._tensors),
+            "rounded to int8 per 32" if activations == "q8" else "fp32",
+        )
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -73,4 +77,4 @@ class GgufQuantWeights:
                 if name.endswith(suffix):
                     rows = _unpermute(rows, heads)
         data = torch.from_numpy(np.array(rows, dtype=np.uint8, copy=True))
-        return QuantWeight(data, qtype, in_features)
+        return QuantWeight(data, qtype, in_features, self.activations)

@@ -47,6 +47,7 @@ class Checkpoint:
     known_name: str | None = None  # set for the embedded default model
     fp8_block: tuple[int, int] | None = None  # block-quantized fp8 weights (see fp8.py)
     gguf_quantized: Path | None = None  # a GGUF file whose linear weights stay quantized
+    gguf_activations: str = "fp32"  # ... multiplied by fp32 or int8 ("q8") activations
 
 
 def default_model_path() -> Path:
@@ -87,8 +88,9 @@ def resolve_device(requested: str) -> torch.device:
 def resolve_checkpoint(
     model: str | None, dtype: str, device: torch.device, gguf_weights: str = "dequantized"
 ) -> Checkpoint:
-    """`gguf_weights="quantized"`: a GGUF file's supported linear weights stay quantized
-    (CPU only; `gguf_native.py`), the rest is dequantized to `dtype` as before."""
+    """`gguf_weights="quantized"` or `"q8-dot"`: a GGUF file's supported linear weights stay
+    quantized (CPU only; `gguf_native.py`; q8-dot multiplies them by int8 activations,
+    `kernels/q8.py`), the rest is dequantized to `dtype` as before."""
     path = Path(model).expanduser() if model else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
@@ -107,7 +109,7 @@ def resolve_checkpoint(
     fp8_block = fp8.block_size_of(cfg)
     weight_dtype = resolve_dtype(dtype, arch.torch_dtype, device)
     known = DEFAULT_MODEL_NAME if path.name == DEFAULT_MODEL_FILE else None
-    native = path.is_file() and gguf_weights == "quantized" and device.type == "cpu"
+    native = path.is_file() and gguf_weights != "dequantized" and device.type == "cpu"
     return Checkpoint(
         directory,
         str(model or path),
@@ -116,6 +118,7 @@ def resolve_checkpoint(
         known,
         fp8_block,
         gguf_quantized=path if native else None,
+        gguf_activations="q8" if gguf_weights == "q8-dot" else "fp32",
     )
 
 
@@ -170,7 +173,9 @@ class WeightStore:
         self.expected = family_for(ckpt.arch).weight_shapes(ckpt.arch)
         self.quantized: GgufQuantWeights | None = None
         if ckpt.gguf_quantized is not None and file is None:
-            self.quantized = GgufQuantWeights(ckpt.gguf_quantized, _read_config(ckpt.directory))
+            self.quantized = GgufQuantWeights(
+                ckpt.gguf_quantized, _read_config(ckpt.directory), ckpt.gguf_activations
+            )
         self.loaded = 0
         self._start = time.perf_counter()
 

@@ -20,3 +20,30 @@ def test_default_model_quantized_equals_dequantized_fp32() -> None:
     got = _greedy("quantized")
     assert all(len(tokens) == 24 and logprob is not None for tokens, logprob in got)
     assert got == _greedy("dequantized")
+
+
+def _q8_greedy(**kwargs: object) -> tuple[list[list[int]], dict]:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(gguf_weights="q8-dot", max_model_len=256, **kwargs) as llm:  # type: ignore[arg-type]
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        stats = llm.engine.stats()
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+def test_q8_dot_equals_its_torch_reference() -> None:
+    """`--gguf-weights q8-dot` (int8 activations, the VNNI kernel where the CPU has it) gives
+    the greedy tokens of TorchKernels' q8.reference_linear: the same arithmetic."""
+    native, _ = _q8_greedy()
+    assert all(len(t) == 24 for t in native)
+    reference, _ = _q8_greedy(use_kernels=False)
+    assert native == reference
+
+
+def test_q8_dot_speculative_equals_plain() -> None:
+    """Verify rows take the same int8 arithmetic as the decode rows they replace."""
+    plain, _ = _q8_greedy(async_scheduling=False)
+    spec, stats = _q8_greedy(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    )
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] > 0, stats
+    assert spec == plain
