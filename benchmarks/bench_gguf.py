@@ -1,4 +1,5 @@
-"""Batch-1 decode on the default Q4_1 GGUF: laneserve with the weights kept quantized vs
+"""Batch-1 decode on the default Q4_1 GGUF: laneserve with the weights kept quantized (fp32 or
+int8 activations: `--gguf-weights quantized` / `q8-dot`) vs
 laneserve with them dequantized to bf16 vs llama.cpp (llama-cpp-python, shared/peers),
 in one run with ratios.
 
@@ -86,7 +87,7 @@ def main() -> None:
     p.add_argument("--peers-home", default="/tmp/peers")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--engines", default="quantized,dequantized,llama.cpp")
+    p.add_argument("--engines", default="quantized,q8-dot,dequantized,llama.cpp")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.child:

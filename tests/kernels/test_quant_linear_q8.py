@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from laneserve.kernels import CpuKernels, TorchKernels, quant
-from laneserve.kernels import q8
+from laneserve.kernels import CpuKernels, TorchKernels, q8, quant
 from laneserve.kernels.quant import GGUF_BLOCKS, QuantWeight
 from tests.kernels.test_quant_linear import random_blocks
 
@@ -47,7 +46,9 @@ def test_vnni_equals_reference(
     assert torch.equal(got, want)
     # the int8 activations cost about 1 % of each dot product's magnitude, never more than 2 %
     w = quant.dequantize(qw)
-    exact = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+    exact = torch.nn.functional.linear(
+        x.double(), w.double(), None if bias is None else bias.double()
+    )
     scale = x.abs().double() @ w.abs().double().T + 1e-6
     assert bool(((got.double() - exact).abs() <= 0.02 * scale).all())
 
@@ -67,6 +68,7 @@ def test_activation_quantizer_matches_reference(vnni: CpuKernels) -> None:
     assert int(q.abs().max()) == 127 and int(q[0, :32].abs().sum()) == 0
     assert float(dx[1, 1]) == 0.0 and bool(dx[2, 0].isnan()) and bool(dx[3, 2].isnan())
     assert torch.equal(sq, q.view(9, 8, 32).int().sum(-1))
+    assert torch.equal(sx.nan_to_num(7.0), (dx * sq.float()).nan_to_num(7.0))
 
 
 def test_special_groups_reach_the_output(vnni: CpuKernels, tk: TorchKernels) -> None:
@@ -83,7 +85,9 @@ def test_special_groups_reach_the_output(vnni: CpuKernels, tk: TorchKernels) -> 
     assert torch.equal(got[3], bias)
     clean = vnni.linear(x[:1], vnni.pack_gguf_weight(qw), bias)
     assert torch.equal(got[:1], clean)
-    assert torch.equal(got.nan_to_num(1.0), tk.linear(x, tk.pack_gguf_weight(qw), bias).nan_to_num(1.0))
+    assert torch.equal(
+        got.nan_to_num(1.0), tk.linear(x, tk.pack_gguf_weight(qw), bias).nan_to_num(1.0)
+    )
 
 
 @pytest.mark.parametrize("qtype", quant.QTYPES)
