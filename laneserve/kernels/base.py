@@ -57,7 +57,9 @@ class Kernels(Protocol):
     def pack_gguf_weight(self, w: QuantWeight) -> PackedWeight:
         """Prepare a GGUF block-quantized weight (q4_0 / q4_1 / q8_0 / q4_k, quant.py)
         for :meth:`linear`. CpuKernels keeps it quantized on AVX-512 CPUs; everywhere the
-        result is bitwise that of ``pack_linear_weight(quant.dequantize(w))``."""
+        result is bitwise that of ``pack_linear_weight(quant.dequantize(w))``. A weight with
+        ``activations="q8"`` is multiplied by int8-rounded activations instead (q8.py):
+        bitwise ``q8.reference_linear`` everywhere (AVX-512 VNNI kernel or torch)."""
         ...
 
     def linear(

@@ -20,11 +20,13 @@ PROTOCOL_OPS = sorted(
 def test_protocol_covers_the_extension_ops() -> None:
     """One contract per C++ op: the protocol's ops are exactly the ones the build checks,
     except pack_gguf_weight (a repack in Python, quant.py); the ops behind `linear`
-    (AMX prompt rows, GGUF-packed weights) are the build's INTERNAL_OPS."""
+    (AMX prompt rows, GGUF-packed weights, with fp32 or int8 activations) are the build's
+    INTERNAL_OPS."""
     python_only = {"pack_gguf_weight"}
     assert python_only <= set(PROTOCOL_OPS)
     assert sorted(kbuild.OPS) == sorted(set(PROTOCOL_OPS) - python_only)
-    assert set(kbuild.INTERNAL_OPS) == {"linear_prefill", "quant_linear"}
+    internal = {"linear_prefill", "quant_linear", "quantize_q8", "quant_linear_q8"}
+    assert set(kbuild.INTERNAL_OPS) == internal
     assert not set(kbuild.INTERNAL_OPS) & set(PROTOCOL_OPS)
 
 
