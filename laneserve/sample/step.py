@@ -4,6 +4,7 @@
 from what the step holds (decided on the host, no device value is read):
 
 ```
+ no drafts, all greedy, unprocessed  kernels.top_tokens (the argmax, one op)
  no drafts                          plain sampling: min_tokens -> logit_bias -> penalties -> sample
  drafts, all greedy, dense          kernels.verify_greedy (one fused argmax + compare)
  drafts otherwise                   rejection sampling (rejection_sampler.verify)
@@ -40,6 +41,13 @@ class VerifyKernels(Protocol):
         num_valid: torch.Tensor,  # [R]
         alternatives: torch.Tensor,  # [R, W] (W may be 0)
     ) -> tuple[torch.Tensor, ...]: ...  # tokens [R, K + 1], accepted, hit, choice [R]
+
+    def top_tokens(
+        self,
+        logits: torch.Tensor,  # [N, V]
+        n: int,
+        vocab: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...  # [N, n] int64, best first (n = 1: torch.argmax's choice)
 
 
 @dataclass
@@ -108,7 +116,10 @@ def sample_step(
     raw = main.clone() if batch.max_logprobs >= 0 else main
     if bitmask is not None:  # NOTE: grammar rows carry no alternatives (step_inputs.py)
         apply_bitmask(main, bitmask)
-    if drafts is None:
+    if drafts is None and _greedy_unprocessed(batch):
+        tokens = kernels.top_tokens(main, 1)  # argmax in one op (torch's: ~30 µs a row)
+        accepted = torch.zeros_like(tokens[:, 0])
+    elif drafts is None:
         tokens, accepted = _sample_plain(main, batch, rows, positions, history)
     elif _greedy_dense(batch, drafts):
         tokens, accepted, _, _ = kernels.verify_greedy(
@@ -124,6 +135,16 @@ def sample_step(
     assert drafts is not None, "a token tree verifies drafts"
     hit, choice = _verify_tree(main, alt_logits, batch, rows, drafts, tree, tokens, accepted)
     return SampledStep(tokens, accepted, logprobs, hit, choice)
+
+
+def _greedy_unprocessed(batch: SamplingBatch) -> bool:
+    """Every row greedy with no logits processing: the token is the plain argmax."""
+    return (
+        batch.all_greedy
+        and batch.min_tokens is None
+        and batch.logit_bias is None
+        and batch.penalties is None
+    )
 
 
 def _greedy_dense(batch: SamplingBatch, drafts: Drafts) -> bool:

@@ -28,6 +28,10 @@ class Recording:
         self.calls.append(alternatives.shape[1])
         return self.inner.verify_greedy(logits, drafts, num_valid, alternatives)
 
+    def top_tokens(self, logits, n, vocab=None):
+        self.calls.append("top")
+        return self.inner.top_tokens(logits, n, vocab)
+
 
 def _kernel_sets() -> list[object]:
     lib = load_kernels()
@@ -90,6 +94,26 @@ def test_plain_sampling_is_min_tokens_then_penalties_then_sample() -> None:
         lp = sampler.compute_logprobs(logits, want, 2)
         assert all(torch.equal(a, b) for a, b in zip(got.logprobs, lp, strict=True))
         assert kern.calls == []
+
+
+@pytest.mark.parametrize("kernels", _kernel_sets(), ids=lambda k: k.name)
+def test_all_greedy_plain_rows_take_one_argmax_op(kernels: object) -> None:
+    """Greedy rows with no processing: one top_tokens call, torch.argmax's choice (first
+    of tied maxima, NaN on top); any processing sends the step down the general path."""
+    ks = [0, 0, 0]
+    for seed in range(6):
+        logits, positions, history = case(ks, seed)
+        logits[1, 7] = logits[1].max()  # a tie: the lower column wins
+        logits[2, 9] = float("nan")
+        kern = Recording(kernels)
+        b, rows = make_batch([GREEDY] * 3), make_rows(ks)
+        got = sample_step(kern, logits.clone(), b, rows, positions, history)
+        assert torch.equal(got.tokens[:, 0], logits.argmax(dim=-1)) and kern.calls == ["top"]
+        assert got.tokens[2, 0] == 9 and got.num_accepted.tolist() == [0, 0, 0]
+    kern = Recording(kernels)
+    params = [GREEDY, SamplingParams(temperature=0, repetition_penalty=1.3), GREEDY]
+    sample_step(kern, logits.clone(), make_batch(params), make_rows(ks), positions, history)
+    assert kern.calls == []
 
 
 def _verify_reference(
