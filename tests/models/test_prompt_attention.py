@@ -1,0 +1,95 @@
+"""Prompt chunks' attention (model/attention.py): on the CPU kernels a chunk reads the paged
+cache through the decode rows' kernel, so a prompt token's attention is bit for bit what it
+would be as a decode row, whatever the chunking; long fresh chunks take torch SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from laneserve.kernels import CpuKernels, TorchKernels, load_kernels
+from laneserve.model import attention
+from laneserve.model.attention import AttentionMetadata, PrefillSpan
+
+HQ, HK, D, BS = 6, 2, 32, 16
+
+
+@pytest.fixture(scope="module")
+def ck() -> CpuKernels:
+    lib = load_kernels()
+    if lib is None:
+        pytest.skip("laneserve CPU kernels are not available here")
+    return CpuKernels(lib)
+
+
+def _cache(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = n // BS + 2
+    return torch.zeros(blocks, BS, HK, D, dtype=dtype), torch.zeros(blocks, BS, HK, D, dtype=dtype)
+
+
+def _prefill(kernels, q, k, v, cache, context: int, start: int, n: int) -> torch.Tensor:
+    """Attention of tokens start..start+n-1 as one prompt chunk (K/V of 0..start-1 cached)."""
+    total = start + n
+    blocks = torch.arange((total + BS - 1) // BS, dtype=torch.int64)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(start, total),
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_seq_lens=None,
+        decode_query_start_loc=None,
+        prefills=(PrefillSpan(0, n, context, blocks),),
+    )
+    rows = slice(start, total)
+    return attention.paged_attention(kernels, q[rows], k[rows], v[rows], cache, meta, 0.125)
+
+
+def _decode_row(kernels, q, cache, pos: int) -> torch.Tensor:
+    """Attention of the token at pos as a decode row (its K/V already cached)."""
+    table = torch.arange((pos + 1 + BS - 1) // BS, dtype=torch.int32)[None]
+    lens = torch.tensor([pos + 1], dtype=torch.int32)
+    starts = torch.tensor([0, 1], dtype=torch.int32)
+    return kernels.paged_attention(q[pos : pos + 1], *cache, table, lens, starts, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prompt_rows_equal_decode_rows_whatever_the_chunking(ck: CpuKernels, dtype) -> None:
+    n = 90
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HK, HK))
+    one, chunked = _cache(n, dtype), _cache(n, dtype)
+    whole = _prefill(ck, q, k, v, one, 0, 0, n)
+    parts = [_prefill(ck, q, k, v, chunked, s, s, m) for s, m in ((0, 37), (37, 40), (77, 13))]
+    assert torch.equal(torch.cat(parts), whole)  # chunks with context: the same bits
+    for pos in (0, 15, 16, 54, 89):
+        assert torch.equal(_decode_row(ck, q, one, pos), whole[pos : pos + 1])
+    # and it is attention: close to torch's causal SDPA of the same (cache-rounded) values
+    kr, vr = (t.to(dtype).float().repeat_interleave(HQ // HK, dim=1) for t in (k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), kr.transpose(0, 1), vr.transpose(0, 1), is_causal=True, scale=0.125
+    ).transpose(0, 1)
+    torch.testing.assert_close(whole, want, rtol=1e-4, atol=1e-5)
+
+
+def test_long_fresh_chunks_take_sdpa(ck: CpuKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    n = 40
+    monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_TOKENS", n - 1)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HK, HK))
+    calls: list[int] = []
+    inner = ck.paged_attention
+    monkeypatch.setattr(ck, "paged_attention", lambda q, *a: calls.append(len(q)) or inner(q, *a))
+    cache = _cache(n, torch.float32)
+    fresh = _prefill(ck, q, k, v, cache, 0, 0, n)  # over the limit: SDPA
+    assert calls == []
+    later = _prefill(ck, q, k, v, cache, 30, 30, 10)  # a chunk with context: the kernel
+    assert calls == [10]
+    torch.testing.assert_close(later, fresh[30:], rtol=1e-5, atol=1e-6)
+
+
+def test_torch_kernels_keep_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    tk = TorchKernels()
+    monkeypatch.setattr(tk, "paged_attention", lambda *a: pytest.fail("no paged prompt rows"))
+    n = 20
+    q, k, v = (torch.randn(n, h, D) for h in (HQ, HK, HK))
+    out = _prefill(tk, q, k, v, _cache(n, torch.float32), 0, 0, n)
+    assert out.shape == (n, HQ, D)
