@@ -25,20 +25,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from laneserve.kernels.quant import GROUP, PACK_N, QuantWeight, _column_major, common_form
+from laneserve.kernels.quant import (
+    _LAYOUT,
+    GROUP,
+    PACK_N,
+    QuantWeight,
+    _column_major,
+    common_form,
+)
 
 TORCH_LAYOUT_SUFFIX = "-q8-torch"  # TorchKernels' layout of such weights: the common form
 TINY = 1e-30  # groups whose amax is at or below this are zero
 # Added to the weight integers so that vpdpbusd's unsigned operand holds them (q4_0 is
 # stored as q + 8 in GGUF; q8_0's int8 becomes q + 128).
 ZERO_POINT = {"q4_0": 8, "q4_1": 0, "q8_0": 128, "q4_k": 0}
-# scale dtype bytes per type (fp16 where the scales are fp16 values; q4_k's d * sc is not)
-_SCALE_DTYPE = {
-    "q4_0": torch.float16,
-    "q4_1": torch.float16,
-    "q8_0": torch.float16,
-    "q4_k": torch.float32,
-}
 
 
 def quantize_rows(
@@ -81,7 +81,7 @@ def repack(qw: QuantWeight) -> torch.Tensor:
     else:
         halves = ug.reshape(nblk, groups, 2, 4, 4, PACK_N).transpose(4, 5)  # (h, i, c, j)
         quants = halves[:, :, 0] | (halves[:, :, 1] << 4)
-    sdt = _SCALE_DTYPE[qw.qtype]
+    sdt = torch.float16 if _LAYOUT[qw.qtype][0] == 2 else torch.float32  # as quant.repack
     parts = [_column_major(s, pad, nblk, groups).to(sdt).view(torch.uint8)]
     if o is not None:
         parts.append(_column_major(o, pad, nblk, groups).to(sdt).view(torch.uint8))
@@ -90,10 +90,9 @@ def repack(qw: QuantWeight) -> torch.Tensor:
 
 
 def record_bytes(qtype: str) -> int:
-    """Bytes per record of :func:`repack` (per 16 columns x 32 k)."""
-    sbytes = 4 if qtype == "q4_k" else 2
-    scales = (2 if qtype in ("q4_1", "q4_k") else 1) * sbytes * PACK_N
-    return scales + (GROUP * PACK_N if qtype == "q8_0" else GROUP * PACK_N // 2)
+    """Bytes per record of :func:`repack` (per 16 columns x 32 k), from quant.py's table."""
+    sbytes, has_offset, bits = _LAYOUT[qtype]
+    return (2 if has_offset else 1) * sbytes * PACK_N + GROUP * PACK_N * bits // 8
 
 
 def reference_linear(
