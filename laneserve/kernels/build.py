@@ -50,6 +50,7 @@ SOURCES = tuple(
         "elementwise.cpp",
         "hyper.cpp",
         "attention.cpp",
+        "causal_attention.cpp",
         "kv_cache.cpp",
         "spec_ops.cpp",
         "bindings.cpp",
@@ -92,6 +93,7 @@ OPS = (
     "hyper_pre",
     "hyper_post",
     "paged_attention",
+    "causal_attention_bf16",
     "write_kv_cache",
     "verify_greedy",
     "commit_side_rows",
@@ -102,7 +104,12 @@ OPS = (
 )
 # Ops that one of OPS uses behind the protocol (CpuKernels.linear: prompt rows on AMX,
 # GGUF-packed weights).
-INTERNAL_OPS = ("linear_prefill", "quant_linear", "quantize_q8", "quant_linear_q8")
+INTERNAL_OPS = (
+    "linear_prefill",
+    "quant_linear",
+    "quantize_q8",
+    "quant_linear_q8",
+)
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,7 @@ class KernelLib:
     amx: bool = False  # prefill rows of bf16 linears use AMX (see prefill_amx)
     dpbf16: bool = False  # ... or, without AMX, AVX-512 BF16 dot products (prefill_dpbf16)
     vnni: bool = False  # GGUF weights with int8 activations run natively (quant_linear_q8)
+    bf16_dot: bool = False  # long fresh prompt chunks: bf16 dot products (causal_attention.cpp)
 
     def op(self, name: str) -> Any:
         return getattr(self.ops, name)
@@ -185,6 +193,12 @@ def q8_vnni(isa: str) -> bool:
     """True where ``quant_linear_q8`` can run: ``isa`` is "avx512" and the CPU has
     avx512_vnni (elsewhere such weights take TorchKernels' exact reference)."""
     return isa == "avx512" and VNNI_CPU_FLAG in (cpu_flags() or set())
+
+
+def bf16_dot(isa: str) -> bool:
+    """True where ``causal_attention_bf16`` runs natively: ``isa`` is "avx512" and the CPU has
+    avx512_bf16 (elsewhere long fresh prompt chunks take torch's bf16 SDPA)."""
+    return isa == "avx512" and DPBF16_CPU_FLAG in (cpu_flags() or set())
 
 
 def read_sources(directory: Path = KERNEL_DIR) -> dict[str, str]:
@@ -369,7 +383,12 @@ def load_kernels() -> KernelLib | None:
         return None
     amx = prefill_amx(isa)
     return dataclasses.replace(
-        lib, isa=isa, amx=amx, dpbf16=prefill_dpbf16(isa, amx), vnni=q8_vnni(isa)
+        lib,
+        isa=isa,
+        amx=amx,
+        dpbf16=prefill_dpbf16(isa, amx),
+        vnni=q8_vnni(isa),
+        bf16_dot=bf16_dot(isa),
     )
 
 

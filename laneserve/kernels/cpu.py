@@ -21,6 +21,7 @@ PACK_BLOCK_N = 16
 
 LAYOUT_BLOCKED = "blocked16"  # CpuKernels: [ceil(N/16), K, 16], zero padded
 LAYOUT_BLOCKED_512 = "blocked16-avx512"  # the same; bf16 as row pairs, K padded to even
+CAUSAL_ATTENTION_MAX_HEAD_DIM = 256  # causal_attention.cpp kMaxDv
 _ISA_CODE = {"avx2": 0, "avx512": 1}  # linear.cpp kIsaAvx2 / kIsaAvx512
 _ISA_LAYOUT = {"avx2": LAYOUT_BLOCKED, "avx512": LAYOUT_BLOCKED_512}
 # GGUF weights kept quantized (quant_linear.cpp, AVX-512): layout name -> the op's qtype
@@ -58,6 +59,7 @@ class CpuKernels:
         self._hyper_pre = ops.hyper_pre
         self._hyper_post = ops.hyper_post
         self._paged_attention = ops.paged_attention
+        self._causal_attention = ops.causal_attention_bf16
         self._write_kv_cache = ops.write_kv_cache
         self._verify_greedy = ops.verify_greedy
         self._commit_side_rows = ops.commit_side_rows
@@ -71,6 +73,7 @@ class CpuKernels:
         self.amx = lib.amx  # prefill rows of bf16 linears use AMX tiles (linear_amx.cpp)
         self.dpbf16 = lib.dpbf16  # ... or AVX-512 BF16 dot products (linear_dpbf16.cpp)
         self.vnni = lib.vnni  # GGUF weights with int8 activations natively (q8.py)
+        self.bf16_dot = lib.bf16_dot  # long fresh prompt chunks: causal_attention.cpp
         # linear_prefill's method: 0 AMX, 1 AVX-512 BF16; None: prompt rows as decode rows
         self._prefill_method = 0 if lib.amx else 1 if lib.dpbf16 else None
 
@@ -196,6 +199,14 @@ class CpuKernels:
         return self._paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, last_slot
         )
+
+    def causal_attention_bf16(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        dk, dv = q.shape[-1], v.shape[-1]
+        if not self.bf16_dot or dk % 2 or dv % 16 or dv > CAUSAL_ATTENTION_MAX_HEAD_DIM:
+            return self._fallback.causal_attention_bf16(q, k, v, scale)
+        return self._causal_attention(q, k, v, scale)
 
     def write_kv_cache(
         self,

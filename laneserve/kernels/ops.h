@@ -30,6 +30,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at:
 at::Tensor quant_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
                            int64_t qtype, const std::optional<at::Tensor>& bias_in);
 
+// causal_attention.cpp
+at::Tensor causal_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_in,
+                                 const at::Tensor& v_in, double scale);
+
 // elementwise.cpp
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps);
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w_in, double eps);

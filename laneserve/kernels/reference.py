@@ -180,6 +180,20 @@ class TorchKernels:
             out[q0:q1] = o.transpose(0, 1)
         return out
 
+    def causal_attention_bf16(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:  # [n, Hq, Dv] float32
+        group = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(
+            q.bfloat16().transpose(0, 1).unsqueeze(0),
+            k.bfloat16().transpose(0, 1).unsqueeze(0),
+            v.bfloat16().transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        return out.squeeze(0).transpose(0, 1).float()
+
     def write_kv_cache(
         self,
         k: torch.Tensor,  # [T, Hk, D]

@@ -111,11 +111,14 @@ def paged_attention(
                 q[rows], k_cache, v_cache, table, lens, starts, scale
             )
             continue
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)
+        out[rows] = _prefill_attention(
+            kernels, q[rows], k[rows], v[rows], k_cache, v_cache, span, scale
+        )
     return out
 
 
 def _prefill_attention(
+    kernels: Kernels,
     q: torch.Tensor,  # [n, Hq, D]
     k: torch.Tensor,  # [n, Hk, D]
     v: torch.Tensor,
@@ -127,11 +130,9 @@ def _prefill_attention(
     group = q.shape[1] // k.shape[1]
     if span.context_len == 0:
         if k_cache.dtype == torch.bfloat16 and q.device.type == "cpu":
-            # NOTE: a bf16 cache stores these K/V rounded to bf16 anyway; torch's CPU flash
-            # kernel in bf16 is ~2.5x the fp32 one (2000-token chunk), and prompt rows'
+            # NOTE: a bf16 cache stores these K/V rounded to bf16 anyway, and prompt rows'
             # numerics are already their own (docs/kernels.md). fp32 models stay fp32.
-            out = _sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), group, scale, mask=None)
-            return out.float()
+            return kernels.causal_attention_bf16(q, k, v, scale)
         return _sdpa(q, k, v, group, scale, mask=None)
     total = span.context_len + span.num_tokens
     keys = _gather(k_cache, span.block_ids, total, q.dtype)

@@ -1,6 +1,7 @@
 """Prompt chunks' attention (model/attention.py): on the CPU kernels a chunk reads the paged
 cache through the decode rows' kernel, so a prompt token's attention is bit for bit what it
-would be as a decode row, whatever the chunking; long fresh chunks take torch SDPA."""
+would be as a decode row, whatever the chunking; long fresh chunks take torch SDPA (fp32
+cache) or the bf16 causal kernel (bf16 cache)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,24 @@ def test_long_fresh_chunks_take_sdpa(ck: CpuKernels, monkeypatch: pytest.MonkeyP
     later = _prefill(ck, q, k, v, cache, 30, 30, 10)  # a chunk with context: the kernel
     assert calls == [10]
     torch.testing.assert_close(later, fresh[30:], rtol=1e-5, atol=1e-6)
+
+
+def test_long_fresh_chunks_on_a_bf16_cache_take_the_causal_kernel(
+    ck: CpuKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = 70
+    monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_TOKENS", n - 1)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HK, HK))
+    calls: list[int] = []
+    inner = ck.causal_attention_bf16
+    monkeypatch.setattr(
+        ck, "causal_attention_bf16", lambda q, *a: calls.append(len(q)) or inner(q, *a)
+    )
+    fresh = _prefill(ck, q, k, v, _cache(n, torch.bfloat16), 0, 0, n)
+    assert calls == [n]
+    want = _prefill(ck, q, k, v, _cache(n, torch.bfloat16), 0, 0, 40)  # paged, fp32 sums
+    torch.testing.assert_close(fresh[:40], want, rtol=0, atol=2e-2)
 
 
 def test_torch_kernels_keep_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
