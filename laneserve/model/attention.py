@@ -7,8 +7,8 @@ Glossary:
 - *prefill* sequence: a prompt chunk. On the CPU kernels it reads the paged cache
   through the same attention kernel as decode rows (per query the same arithmetic),
   except a fresh chunk (no earlier context) of more than PAGED_PREFILL_MAX_TOKENS
-  tokens, which runs torch SDPA on its own K/V (flash kernel; bf16 for a bf16 cache),
-  faster there. Elsewhere (torch kernels, CUDA) a fresh chunk runs SDPA and a chunk
+  tokens, which attends over its own K/V with kernels.causal_attention_bf16 (a bf16
+  cache; blocked bf16 dot products on CPU) or torch SDPA (an fp32 cache). Elsewhere (torch kernels, CUDA) a fresh chunk runs SDPA and a chunk
   with context (a later chunk, or a prefix-cache hit) gathers its blocks once and runs
   SDPA with a bottom-right causal mask.
 
@@ -26,9 +26,10 @@ import torch.nn.functional as F
 
 from laneserve.kernels import Kernels  # re-exported: the model code imports it from here
 
-# Fresh prompt chunks up to this many tokens take the paged attention kernel on CPU; longer
-# ones torch's flash SDPA, which is faster there (2000 tokens, 9 heads of 64 on the Zen 4
-# VM: 48 ms in bf16 against 59 ms; at 200 tokens 1.1 ms against 0.7 ms).
+# Fresh prompt chunks up to this many tokens take the paged attention kernel on CPU (a
+# decode row's bits, whatever the chunking); longer ones, where attention's quadratic cost
+# dominates, the blocked bf16 kernel (2000 tokens, 9 heads of 64 on the Zen 4 VM: 19 ms
+# against the paged kernel's 59; 1100 tokens 6.2 ms, the paged kernel 12.7 at 1024).
 PAGED_PREFILL_MAX_TOKENS = 1024
 
 
