@@ -33,7 +33,8 @@ constexpr int kDvChunk = 4;          // 16-column zmm accumulators per query in 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16")
 
-// exp for 16 fp32 lanes: the same Cephes polynomial as exp256 (vec.h), -inf -> 0.
+// exp for 16 fp32 lanes: exp256's Cephes polynomial (vec.h), -inf -> 0. Not built from two
+// exp256 halves: that made the whole op ~30 % slower on Zen 4.
 inline __m512 exp512(__m512 x) {
   const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365447504f), _CMP_LT_OQ);
   __m512 v = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
@@ -194,38 +195,17 @@ void attend_rows(const CausalArgs& a, int64_t h, int64_t q0) {
 
 #pragma GCC pop_options
 
-// Keys of [n, H, D] -> kp (see the header comment), zero padded.
-void pack_keys(const at::Tensor& k, at::BFloat16* kp, int64_t tiles16) {
-  const int64_t n = k.size(0), H = k.size(1), D = k.size(2);
-  const auto src = k.accessor<at::BFloat16, 3>();
-  at::parallel_for(0, H * tiles16, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t h = i / tiles16, t = i % tiles16;
-      at::BFloat16* dst = kp + i * D * 16;
-      for (int64_t j = 0; j < D / 2; ++j)
-        for (int64_t lane = 0; lane < 16; ++lane)
-          for (int64_t e = 0; e < 2; ++e) {
-            const int64_t key = t * 16 + lane;
-            dst[(j * 16 + lane) * 2 + e] = key < n ? src[key][h][2 * j + e] : at::BFloat16(0.0f);
-          }
-    }
-  });
-}
-
-// Values of [n, H, D] -> vp (see the header comment), zero padded.
-void pack_values(const at::Tensor& v, at::BFloat16* vp, int64_t pairs) {
-  const int64_t n = v.size(0), H = v.size(1), D = v.size(2);
-  const auto src = v.accessor<at::BFloat16, 3>();
-  at::parallel_for(0, H * pairs, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t h = i / pairs, j = i % pairs;
-      at::BFloat16* dst = vp + i * D * 2;
-      for (int64_t d = 0; d < D; ++d)
-        for (int64_t e = 0; e < 2; ++e) {
-          const int64_t key = 2 * j + e;
-          dst[d * 2 + e] = key < n ? src[key][h][d] : at::BFloat16(0.0f);
-        }
-    }
+// src [n, H, D] bf16 -> dst (`size` elements, zero where no key lands): element
+// (key, h, d) goes to dst[at(key, h, d)]. One pass per (key, h) row, rows split over threads.
+template <typename At>
+void pack(const at::Tensor& src_in, at::BFloat16* dst, int64_t size, At at) {
+  const at::Tensor src = src_in.to(at::kBFloat16).contiguous();
+  const int64_t n = src.size(0), H = src.size(1), D = src.size(2);
+  std::fill(dst, dst + size, at::BFloat16(0.0f));
+  const at::BFloat16* x = src.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n * H, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i)
+      for (int64_t d = 0; d < D; ++d) dst[at(i / H, i % H, d)] = x[i * D + d];
   });
 }
 
@@ -251,8 +231,13 @@ at::Tensor causal_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_in,
   const int64_t tiles16 = kKV * ((n + kKeys - 1) / kKeys), pairs = tiles16 * 8;
   at::Tensor kp = at::empty({Hk * tiles16 * Dk * 16}, qb.options());
   at::Tensor vp = at::empty({Hk * pairs * Dv * 2}, qb.options());
-  pack_keys(k_in.to(at::kBFloat16), kp.data_ptr<at::BFloat16>(), tiles16);
-  pack_values(v_in.to(at::kBFloat16), vp.data_ptr<at::BFloat16>(), pairs);
+  // kp [Hk][tiles16][Dk/2][16][2] and vp [Hk][pairs][Dv][2], as in the header comment.
+  pack(k_in, kp.data_ptr<at::BFloat16>(), kp.numel(), [&](int64_t key, int64_t h, int64_t d) {
+    return (((h * tiles16 + key / 16) * (Dk / 2) + d / 2) * 16 + key % 16) * 2 + d % 2;
+  });
+  pack(v_in, vp.data_ptr<at::BFloat16>(), vp.numel(), [&](int64_t key, int64_t h, int64_t d) {
+    return ((h * pairs + key / 2) * Dv + d) * 2 + key % 2;
+  });
   const CausalArgs a{qb.data_ptr<at::BFloat16>(), kp.data_ptr<at::BFloat16>(),
                      vp.data_ptr<at::BFloat16>(), out.data_ptr<float>(), n, Hq, Hk, Dk, Dv,
                      tiles16, pairs, static_cast<float>(scale)};

@@ -52,6 +52,14 @@ def _decode_row(kernels, q, cache, pos: int) -> torch.Tensor:
     return kernels.paged_attention(q[pos : pos + 1], *cache, table, lens, starts, 0.125)
 
 
+def _record(monkeypatch: pytest.MonkeyPatch, ck: CpuKernels, op: str) -> list[int]:
+    """The query count of every call of ck.<op> from now on."""
+    calls: list[int] = []
+    inner = getattr(ck, op)
+    monkeypatch.setattr(ck, op, lambda q, *a: calls.append(len(q)) or inner(q, *a))
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prompt_rows_equal_decode_rows_whatever_the_chunking(ck: CpuKernels, dtype) -> None:
     n = 90
@@ -76,9 +84,7 @@ def test_long_fresh_chunks_take_sdpa(ck: CpuKernels, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_TOKENS", n - 1)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HK, HK))
-    calls: list[int] = []
-    inner = ck.paged_attention
-    monkeypatch.setattr(ck, "paged_attention", lambda q, *a: calls.append(len(q)) or inner(q, *a))
+    calls = _record(monkeypatch, ck, "paged_attention")
     cache = _cache(n, torch.float32)
     fresh = _prefill(ck, q, k, v, cache, 0, 0, n)  # over the limit: SDPA
     assert calls == []
@@ -94,11 +100,7 @@ def test_long_fresh_chunks_on_a_bf16_cache_take_the_causal_kernel(
     monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_TOKENS", n - 1)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HK, HK))
-    calls: list[int] = []
-    inner = ck.causal_attention_bf16
-    monkeypatch.setattr(
-        ck, "causal_attention_bf16", lambda q, *a: calls.append(len(q)) or inner(q, *a)
-    )
+    calls = _record(monkeypatch, ck, "causal_attention_bf16")
     fresh = _prefill(ck, q, k, v, _cache(n, torch.bfloat16), 0, 0, n)
     assert calls == [n]
     want = _prefill(ck, q, k, v, _cache(n, torch.bfloat16), 0, 0, 40)  # paged, fp32 sums
