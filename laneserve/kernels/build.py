@@ -60,7 +60,14 @@ SOURCES = tuple(
 # picks the build directory, and a stale directory must never be reused).
 HEADERS = tuple(
     KERNEL_DIR / name
-    for name in ("vec.h", "vec512.h", "ops.h", "attention_tile.h", "linear_prefill.h")
+    for name in (
+        "vec.h",
+        "vec512.h",
+        "ops.h",
+        "attention_tile.h",
+        "linear_prefill.h",
+        "quant_tiles.h",
+    )
 )
 DISABLE_ENV = "LANESERVE_DISABLE_KERNELS"
 CACHE_ENV = "LANESERVE_CACHE_DIR"

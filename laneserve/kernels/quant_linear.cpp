@@ -15,6 +15,7 @@
 // of the tile shape and of the thread split (batch invariant as vec.h describes).
 
 #include "ops.h"
+#include "quant_tiles.h"
 #include "vec.h"
 #include "vec512.h"
 
@@ -23,11 +24,6 @@
 namespace laneserve {
 namespace {
 
-enum QType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3 };
-constexpr int64_t kGroupK = 32;   // k per record
-constexpr int kQMaxRows = 6;      // rows per tile
-constexpr int64_t kQPrefetch = 2048;  // bytes ahead in each column block's stream
-
 struct QuantArgs {
   const float* x;     // [M, K]
   const uint8_t* w;   // [nblk, G, record]
@@ -35,13 +31,6 @@ struct QuantArgs {
   float* out;         // [M, N]
   int64_t M, K, N, G, record;
 };
-
-constexpr int64_t scale_bytes(int64_t q) { return q == kQ4_K ? 4 : 2; }
-constexpr bool has_offset(int64_t q) { return q == kQ4_1 || q == kQ4_K; }
-constexpr int64_t quant_bytes(int64_t q) { return q == kQ8_0 ? kGroupK * kNB : kGroupK * kNB / 2; }
-constexpr int64_t record_bytes(int64_t q) {
-  return (has_offset(q) ? 2 : 1) * scale_bytes(q) * kNB + quant_bytes(q);
-}
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw")
@@ -99,7 +88,7 @@ void quant_tile(const QuantArgs& a, int64_t m0, int64_t b0) {
     for (int c = 0; c < C; ++c) {
       rec[c] = wb + c * stride + g * kRec;
       for (int64_t off = 0; off < kRec; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec[c] + kQPrefetch + off), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(rec[c] + kWeightPrefetch + off), _MM_HINT_T1);
       s[c] = load_scales<Q>(rec[c]);
       o[c] = has_offset(Q) ? load_scales<Q>(rec[c] + kScaleBytes) : _mm512_setzero_ps();
     }
@@ -129,43 +118,23 @@ constexpr int quant_cols_for_rows() {
   return R <= 2 ? 4 : (R <= 4 ? 2 : 1);
 }
 
-template <int64_t Q, int R>
-void quant_row_tile(const QuantArgs& a, int64_t m0, int64_t b0, int64_t b1) {
-  constexpr int C = quant_cols_for_rows<R>();
-  int64_t b = b0;
-  for (; b + C <= b1; b += C) quant_tile<Q, R, C>(a, m0, b);
-  for (; b < b1; ++b) quant_tile<Q, R, 1>(a, m0, b);
-}
-
 template <int64_t Q>
 void quant_range(const QuantArgs& a, int64_t lo, int64_t hi) {
-  for (int64_t m0 = 0; m0 < a.M; m0 += kQMaxRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kQMaxRows, a.M - m0));
-    switch (rows) {
-      case 1: quant_row_tile<Q, 1>(a, m0, lo, hi); break;
-      case 2: quant_row_tile<Q, 2>(a, m0, lo, hi); break;
-      case 3: quant_row_tile<Q, 3>(a, m0, lo, hi); break;
-      case 4: quant_row_tile<Q, 4>(a, m0, lo, hi); break;
-      case 5: quant_row_tile<Q, 5>(a, m0, lo, hi); break;
-      default: quant_row_tile<Q, 6>(a, m0, lo, hi); break;
-    }
-  }
+  for_row_tiles(a.M, [&](auto rows, int64_t m0) {
+    constexpr int R = decltype(rows)::value;
+    for_column_blocks<quant_cols_for_rows<R>()>(lo, hi, [&](auto cols, int64_t b) {
+      quant_tile<Q, R, decltype(cols)::value>(a, m0, b);
+    });
+  });
 }
 
 #pragma GCC pop_options
 
 template <int64_t Q>
 void quant_driver(const QuantArgs& a) {
-  const int64_t nblk = (a.N + kNB - 1) / kNB;
-  // ~64k FMAs minimum per task, as linear: tiny problems stay on one thread.
-  const int64_t per_block = std::max<int64_t>(1, a.M * a.K * kNB);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_block);
-  // NOTE: parallel over output blocks only, never over K (the split changes no bit).
-  // Blocks are walked in groups of 8 so that several row tiles reuse them from cache.
-  at::parallel_for(0, nblk, grain, [&](int64_t lo, int64_t hi) {
-    const int64_t step = a.M <= kQMaxRows ? hi - lo : 8;
-    for (int64_t g = lo; g < hi; g += step) quant_range<Q>(a, g, std::min(g + step, hi));
-  });
+  // ~64k FMAs minimum per task, as linear.
+  parallel_over_blocks(a.N / kNB + (a.N % kNB != 0), a.M, a.K, int64_t{1} << 16,
+                       [&](int64_t lo, int64_t hi) { quant_range<Q>(a, lo, hi); });
 }
 
 }  // namespace
@@ -196,12 +165,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_o
   if (M == 0 || n_out == 0) return out;
   const QuantArgs a{x.data_ptr<float>(), w.data_ptr<uint8_t>(), bias, out.data_ptr<float>(),
                     M, K, n_out, K / kGroupK, rec};
-  switch (qtype) {
-    case kQ4_0: quant_driver<kQ4_0>(a); break;
-    case kQ4_1: quant_driver<kQ4_1>(a); break;
-    case kQ8_0: quant_driver<kQ8_0>(a); break;
-    default: quant_driver<kQ4_K>(a); break;
-  }
+  dispatch_qtype(qtype, [&](auto q) { quant_driver<decltype(q)::value>(a); });
   return out;
 }
 

@@ -21,6 +21,7 @@
 // rows, to the tile shape and to the thread split (threads split output columns only).
 
 #include "ops.h"
+#include "quant_tiles.h"
 #include "vec.h"
 #include "vec512.h"
 
@@ -31,19 +32,9 @@
 namespace laneserve {
 namespace {
 
-enum QType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3 };
-constexpr int64_t kGroup = 32;      // k per record and per activation scale
-constexpr int kMaxRows = 6;         // rows per tile
-constexpr int64_t kPrefetch = 2048; // bytes ahead in each column block's stream
 constexpr float kTiny = 1e-30f;     // groups with amax at or below this are zero
 
-constexpr int64_t scale_bytes(int64_t q) { return q == kQ4_K ? 4 : 2; }
-constexpr bool has_offset(int64_t q) { return q == kQ4_1 || q == kQ4_K; }
 constexpr int32_t zero_point(int64_t q) { return q == kQ4_0 ? 8 : (q == kQ8_0 ? 128 : 0); }
-constexpr int64_t quant_bytes(int64_t q) { return q == kQ8_0 ? kGroup * kNB : kGroup * kNB / 2; }
-constexpr int64_t record_bytes(int64_t q) {
-  return (has_offset(q) ? 2 : 1) * scale_bytes(q) * kNB + quant_bytes(q);
-}
 
 struct Q8Args {
   const int8_t* q;    // [M, K] quantized activations
@@ -66,7 +57,7 @@ void quantize_group(const float* x, int8_t* q, float* dx, float* sx, int32_t* sq
                         _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   if (nan || !(amax <= FLT_MAX) || amax <= kTiny) {
-    std::memset(q, 0, kGroup);
+    std::memset(q, 0, kGroupK);
     *dx = *sx = (nan || !(amax <= FLT_MAX)) ? NAN : 0.0f;
     *sq = 0;
     return;
@@ -149,12 +140,12 @@ void q8_tile(const Q8Args& a, int64_t m0, int64_t b0) {
       rec[c] = wb + c * stride + g * kRec;
       quants[c] = rec[c] + kQuantOff;
       for (int64_t off = 0; off < kRec; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec[c] + kPrefetch + off), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(rec[c] + kWeightPrefetch + off), _MM_HINT_T1);
     }
     __m512i isum[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
-    group_sums<Q, R, C>(quants, a.q + m0 * a.K + g * kGroup, a.K, isum);
+    group_sums<Q, R, C>(quants, a.q + m0 * a.K + g * kGroupK, a.K, isum);
 
     __m512 s[C], o[C];
     for (int c = 0; c < C; ++c) {
@@ -186,55 +177,35 @@ constexpr int cols_for_rows() {
   return R <= 2 ? 4 : (R <= 4 ? 3 : 2);
 }
 
-template <int64_t Q, int R>
-void q8_row_tile(const Q8Args& a, int64_t m0, int64_t b0, int64_t b1) {
-  constexpr int C = cols_for_rows<R>();
-  int64_t b = b0;
-  for (; b + C <= b1; b += C) q8_tile<Q, R, C>(a, m0, b);
-  for (; b < b1; ++b) q8_tile<Q, R, 1>(a, m0, b);
-}
-
 template <int64_t Q>
 void q8_range(const Q8Args& a, int64_t lo, int64_t hi) {
-  for (int64_t m0 = 0; m0 < a.M; m0 += kMaxRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, a.M - m0));
-    switch (rows) {
-      case 1: q8_row_tile<Q, 1>(a, m0, lo, hi); break;
-      case 2: q8_row_tile<Q, 2>(a, m0, lo, hi); break;
-      case 3: q8_row_tile<Q, 3>(a, m0, lo, hi); break;
-      case 4: q8_row_tile<Q, 4>(a, m0, lo, hi); break;
-      case 5: q8_row_tile<Q, 5>(a, m0, lo, hi); break;
-      default: q8_row_tile<Q, 6>(a, m0, lo, hi); break;
-    }
-  }
+  for_row_tiles(a.M, [&](auto rows, int64_t m0) {
+    constexpr int R = decltype(rows)::value;
+    for_column_blocks<cols_for_rows<R>()>(lo, hi, [&](auto cols, int64_t b) {
+      q8_tile<Q, R, decltype(cols)::value>(a, m0, b);
+    });
+  });
 }
 
 #pragma GCC pop_options
 
 template <int64_t Q>
 void q8_driver(const Q8Args& a) {
-  const int64_t nblk = (a.N + kNB - 1) / kNB;
-  // ~256k byte products minimum per task: tiny problems stay on one thread.
-  const int64_t per_block = std::max<int64_t>(1, a.M * a.K * kNB);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / per_block);
-  // NOTE: parallel over output blocks only, never over K (the split changes no bit).
-  // Blocks are walked in groups of 8 so that several row tiles reuse them from cache.
-  at::parallel_for(0, nblk, grain, [&](int64_t lo, int64_t hi) {
-    const int64_t step = a.M <= kMaxRows ? hi - lo : 8;
-    for (int64_t g = lo; g < hi; g += step) q8_range<Q>(a, g, std::min(g + step, hi));
-  });
+  // ~256k byte products minimum per task.
+  parallel_over_blocks(a.N / kNB + (a.N % kNB != 0), a.M, a.K, int64_t{1} << 18,
+                       [&](int64_t lo, int64_t hi) { q8_range<Q>(a, lo, hi); });
 }
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, float* sx,
                    int32_t* sq) {
-  const int64_t G = K / kGroup;
+  const int64_t G = K / kGroupK;
   // Row groups are independent; split rows only when there is enough work.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K));
   at::parallel_for(0, M, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t i = m * G + g;
-        quantize_group(x + m * K + g * kGroup, q + m * K + g * kGroup, dx + i, sx + i, sq + i);
+        quantize_group(x + m * K + g * kGroupK, q + m * K + g * kGroupK, dx + i, sx + i, sq + i);
       }
   });
 }
@@ -246,11 +217,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at:
               "quantize_q8: x must be a 2-D float32 tensor");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % kGroup == 0, "quantize_q8: K must be a multiple of 32, got ", K);
+  TORCH_CHECK(K % kGroupK == 0, "quantize_q8: K must be a multiple of 32, got ", K);
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({M, K / kGroup}, x.options());
-  at::Tensor sx = at::empty({M, K / kGroup}, x.options());
-  at::Tensor sq = at::empty({M, K / kGroup}, x.options().dtype(at::kInt));
+  at::Tensor dx = at::empty({M, K / kGroupK}, x.options());
+  at::Tensor sx = at::empty({M, K / kGroupK}, x.options());
+  at::Tensor sq = at::empty({M, K / kGroupK}, x.options().dtype(at::kInt));
   quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), dx.data_ptr<float>(),
                 sx.data_ptr<float>(), sq.data_ptr<int32_t>());
   return {q, dx, sx, sq};
@@ -264,7 +235,7 @@ at::Tensor quant_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t 
   auto [q, dx, sx, sq] = quantize_q8(x_in);
   const int64_t M = q.size(0), K = q.size(1);
   const int64_t nblk = (n_out + kNB - 1) / kNB;
-  TORCH_CHECK(w.size(0) == nblk && w.size(1) == K / kGroup && w.size(2) == record_bytes(qtype),
+  TORCH_CHECK(w.size(0) == nblk && w.size(1) == K / kGroupK && w.size(2) == record_bytes(qtype),
               "quant_linear_q8: packed weight shape does not match K=", K, ", N=", n_out);
   const float* bias = nullptr;
   at::Tensor bias_c;
@@ -278,13 +249,8 @@ at::Tensor quant_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t 
   if (M == 0 || n_out == 0) return out;
   const Q8Args a{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(),
                  sq.data_ptr<int32_t>(), w.data_ptr<uint8_t>(), bias, out.data_ptr<float>(),
-                 M, K, n_out, K / kGroup};
-  switch (qtype) {
-    case kQ4_0: q8_driver<kQ4_0>(a); break;
-    case kQ4_1: q8_driver<kQ4_1>(a); break;
-    case kQ8_0: q8_driver<kQ8_0>(a); break;
-    default: q8_driver<kQ4_K>(a); break;
-  }
+                 M, K, n_out, K / kGroupK};
+  dispatch_qtype(qtype, [&](auto q) { q8_driver<decltype(q)::value>(a); });
   return out;
 }
 
