@@ -168,10 +168,11 @@ class Kernels(Protocol):
     def causal_attention_bf16(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Causal attention of a fresh prompt chunk over its own keys, in bf16.
+        """Causal attention of a long prompt chunk over its context and its own keys, in bf16.
 
-        q [n, Hq, Dk], k [n, Hk, Dk], v [n, Hk, Dv] (any float dtype; Hq a multiple of Hk):
-        query i sees keys 0..i. q, k, v and the probabilities are rounded to bf16, sums are
+        q [n, Hq, Dk], k [nk, Hk, Dk], v [nk, Hk, Dv] with nk >= n (any float dtype; Hq a
+        multiple of Hk): query i sits at position nk - n + i and sees keys 0 .. that
+        position (a fresh chunk: nk = n). q, k, v and the probabilities are rounded to bf16, sums are
         fp32. Returns [n, Hq, Dv] float32. For prompt rows whose cache is bf16 only: the
         rounding differs from paged_attention's, and from one implementation to another
         (CpuKernels: blocked avx512_bf16 dot products; TorchKernels: torch's SDPA in bf16)."""

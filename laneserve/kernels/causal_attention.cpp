@@ -1,5 +1,6 @@
-// causal_attention_bf16: attention of a fresh prompt chunk (positions 0..n-1, no earlier
-// context) over its own keys, for CPUs with avx512_bf16. Blocked, flash style: a tile
+// causal_attention_bf16: attention of a long prompt chunk of n queries over nk >= n keys
+// (its context, then its own: query i sits at position nk - n + i), for CPUs with
+// avx512_bf16. Blocked, flash style: a tile
 // of kRows queries of one head walks the keys in tiles of 64; Q K^T and P V are
 // `vdpbf16ps` dot products (two bf16 products added into each fp32 lane), softmax is an
 // fp32 online softmax per query.
@@ -11,8 +12,8 @@
 // key tiling (0, 64, 128, ...), never on the thread split.
 //
 // Layouts built once per call (bf16, zero padded to whole key tiles):
-//   kp [Hk][n/16][Dk/2][16 keys][2]: a 64 B row holds 16 keys x one (d, d+1) pair;
-//   vp [Hk][n/2][Dv][2]: a 64 B row holds 16 columns d x one (key, key+1) pair;
+//   kp [Hk][nk/16][Dk/2][16 keys][2]: a 64 B row holds 16 keys x one (d, d+1) pair;
+//   vp [Hk][nk/2][Dv][2]: a 64 B row holds 16 columns d x one (key, key+1) pair;
 //   qb [n][Hq][Dk] with Dk even: the (d, d+1) pair of a query is one 32-bit broadcast.
 
 #include "ops.h"
@@ -62,7 +63,7 @@ struct CausalArgs {
   const at::BFloat16* kp;  // [Hk, tiles16, Dk/2, 16, 2]
   const at::BFloat16* vp;  // [Hk, pairs, Dv, 2]
   float* out;              // [n, Hq, Dv]
-  int64_t n, Hq, Hk, Dk, Dv, tiles16, pairs;
+  int64_t n, context, Hq, Hk, Dk, Dv, tiles16, pairs;  // query i sits at context + i
   float scale;
 };
 
@@ -135,7 +136,8 @@ inline void scale_row(float* x, int64_t n, float f) {
     _mm512_storeu_ps(x + d, _mm512_mul_ps(_mm512_loadu_ps(x + d), _mm512_set1_ps(f)));
 }
 
-// Queries q0..q0+kRows-1 (clamped at n-1; only valid rows are stored) of head h.
+// Queries q0..q0+kRows-1 (clamped at n-1; only valid rows are stored) of head h; query i
+// attends keys 0 .. context + i.
 void attend_rows(const CausalArgs& a, int64_t h, int64_t q0) {
   const int64_t kv = h / (a.Hq / a.Hk);
   int64_t rows[kRows];
@@ -151,14 +153,14 @@ void attend_rows(const CausalArgs& a, int64_t h, int64_t q0) {
   }
   const __m512 scale = _mm512_set1_ps(a.scale);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const int64_t last = rows[kRows - 1];
+  const int64_t last = a.context + rows[kRows - 1];
   for (int64_t kt = 0; kt * kKeys <= last; ++kt) {
     const TileScores t = tile_scores(a, h, kv, rows, kt);
     const auto& s = t.s;
     const __m512i key0 =
         _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(kt * kKeys)));
     for (int r = 0; r < kRows; ++r) {
-      const __m512i pos = _mm512_set1_epi32(static_cast<int>(rows[r]));
+      const __m512i pos = _mm512_set1_epi32(static_cast<int>(a.context + rows[r]));
       const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       __m512 x[kKV];
       __m512 mx = ninf;
@@ -217,9 +219,9 @@ at::Tensor causal_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_in,
   TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.dim() == 3,
               "causal_attention_bf16: q, k, v must be [n, heads, head_dim]");
   const int64_t n = q_in.size(0), Hq = q_in.size(1), Dk = q_in.size(2);
-  const int64_t Hk = k_in.size(1), Dv = v_in.size(2);
-  TORCH_CHECK(k_in.size(0) == n && v_in.size(0) == n && v_in.size(1) == Hk &&
-                  k_in.size(2) == Dk,
+  const int64_t nk = k_in.size(0), Hk = k_in.size(1), Dv = v_in.size(2);
+  TORCH_CHECK(nk >= n && v_in.size(0) == nk && v_in.size(1) == Hk && k_in.size(2) == Dk &&
+                  nk < (int64_t{1} << 31),
               "causal_attention_bf16: q, k, v shapes do not agree");
   TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "causal_attention_bf16: q heads must be a multiple of kv heads");
   TORCH_CHECK(Dk % 2 == 0 && Dv % 16 == 0 && Dv <= kMaxDv,
@@ -228,7 +230,7 @@ at::Tensor causal_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_in,
   at::Tensor out = at::empty({n, Hq, Dv}, q_in.options().dtype(at::kFloat));
   if (n == 0) return out;
   const at::Tensor qb = q_in.to(at::kBFloat16).contiguous();
-  const int64_t tiles16 = kKV * ((n + kKeys - 1) / kKeys), pairs = tiles16 * 8;
+  const int64_t tiles16 = kKV * ((nk + kKeys - 1) / kKeys), pairs = tiles16 * 8;
   at::Tensor kp = at::empty({Hk * tiles16 * Dk * 16}, qb.options());
   at::Tensor vp = at::empty({Hk * pairs * Dv * 2}, qb.options());
   // kp [Hk][tiles16][Dk/2][16][2] and vp [Hk][pairs][Dv][2], as in the header comment.
@@ -239,8 +241,8 @@ at::Tensor causal_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_in,
     return ((h * pairs + key / 2) * Dv + d) * 2 + key % 2;
   });
   const CausalArgs a{qb.data_ptr<at::BFloat16>(), kp.data_ptr<at::BFloat16>(),
-                     vp.data_ptr<at::BFloat16>(), out.data_ptr<float>(), n, Hq, Hk, Dk, Dv,
-                     tiles16, pairs, static_cast<float>(scale)};
+                     vp.data_ptr<at::BFloat16>(), out.data_ptr<float>(), n, nk - n, Hq, Hk,
+                     Dk, Dv, tiles16, pairs, static_cast<float>(scale)};
   // Tasks (head, row tile) from the most keys to the fewest, taken by whichever thread is
   // free: causal rows cost in proportion to their position.
   const int64_t row_tiles = (n + kRows - 1) / kRows, tasks = row_tiles * Hq;

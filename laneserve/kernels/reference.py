@@ -183,14 +183,22 @@ class TorchKernels:
     def causal_attention_bf16(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:  # [n, Hq, Dv] float32
-        group = q.shape[1] // k.shape[1]
+        n, nk, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+        mask = None
+        if nk > n:  # bottom-right aligned: query i sits at position nk - n + i
+            mask = (
+                torch.arange(nk, device=q.device)
+                <= torch.arange(nk - n, nk, device=q.device)[:, None]
+            )
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(
             q.bfloat16().transpose(0, 1).unsqueeze(0),
             k.bfloat16().transpose(0, 1).unsqueeze(0),
             v.bfloat16().transpose(0, 1).unsqueeze(0),
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
-            enable_gqa=group > 1,
+            enable_gqa=group > 1 and mask is None,
         )
         return out.squeeze(0).transpose(0, 1).float()
 

@@ -6,9 +6,10 @@ Glossary:
   attention kernel. They come first in the step's token order.
 - *prefill* sequence: a prompt chunk. On the CPU kernels it reads the paged cache
   through the same attention kernel as decode rows (per query the same arithmetic),
-  except a fresh chunk (no earlier context) of more than PAGED_PREFILL_MAX_TOKENS
-  tokens, which attends over its own K/V with kernels.causal_attention_bf16 (a bf16
-  cache; blocked bf16 dot products on CPU) or torch SDPA (an fp32 cache). Elsewhere (torch kernels, CUDA) a fresh chunk runs SDPA and a chunk
+  except a chunk of more than PAGED_PREFILL_MAX_TOKENS tokens on a bf16 cache, which
+  attends over its context and its own K/V with kernels.causal_attention_bf16 (blocked
+  bf16 dot products on CPU), and a fresh chunk that long on an fp32 cache, which runs
+  torch SDPA. Elsewhere (torch kernels, CUDA) a fresh chunk runs SDPA and a chunk
   with context (a later chunk, or a prefix-cache hit) gathers its blocks once and runs
   SDPA with a bottom-right causal mask.
 
@@ -26,8 +27,8 @@ import torch.nn.functional as F
 
 from laneserve.kernels import Kernels  # re-exported: the model code imports it from here
 
-# Fresh prompt chunks up to this many tokens take the paged attention kernel on CPU (a
-# decode row's bits, whatever the chunking); longer ones, where attention's quadratic cost
+# Prompt chunks up to this many tokens take the paged attention kernel on CPU (a decode
+# row's bits, whatever the chunking); longer ones, where attention's quadratic cost
 # dominates, the blocked bf16 kernel (2000 tokens, 9 heads of 64 on the Zen 4 VM: 19 ms
 # against the paged kernel's 59; 1100 tokens 6.2 ms, the paged kernel 12.7 at 1024).
 PAGED_PREFILL_MAX_TOKENS = 1024
@@ -104,9 +105,11 @@ def paged_attention(
     if nd:
         out[:nd] = _decode_attention(kernels, q[:nd], k_cache, v_cache, meta, scale)
     paged = kernels.name == "cpu" and q.shape[-1] % 8 == 0
+    blocked = k_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
-        if paged and (span.context_len > 0 or span.num_tokens <= PAGED_PREFILL_MAX_TOKENS):
+        short = span.num_tokens <= PAGED_PREFILL_MAX_TOKENS
+        if paged and (short or (span.context_len > 0 and not blocked)):
             table, lens, starts = span.kernel_args
             out[rows] = kernels.paged_attention(
                 q[rows], k_cache, v_cache, table, lens, starts, scale
@@ -129,13 +132,17 @@ def _prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
-    if span.context_len == 0:
-        if k_cache.dtype == torch.bfloat16 and q.device.type == "cpu":
-            # NOTE: a bf16 cache stores these K/V rounded to bf16 anyway, and prompt rows'
-            # numerics are already their own (docs/kernels.md). fp32 models stay fp32.
-            return kernels.causal_attention_bf16(q, k, v, scale)
-        return _sdpa(q, k, v, group, scale, mask=None)
     total = span.context_len + span.num_tokens
+    bf16_cpu = k_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
+    if bf16_cpu and (span.context_len == 0 or span.num_tokens > PAGED_PREFILL_MAX_TOKENS):
+        # NOTE: a bf16 cache stores these K/V rounded to bf16 anyway, and prompt rows'
+        # numerics are already their own (docs/kernels.md). fp32 models stay fp32.
+        if span.context_len:
+            k = _gather(k_cache, span.block_ids, total, k_cache.dtype)
+            v = _gather(v_cache, span.block_ids, total, v_cache.dtype)
+        return kernels.causal_attention_bf16(q, k, v, scale)
+    if span.context_len == 0:
+        return _sdpa(q, k, v, group, scale, mask=None)
     keys = _gather(k_cache, span.block_ids, total, q.dtype)
     values = _gather(v_cache, span.block_ids, total, q.dtype)
     # NOTE: bottom-right causal: query i sits at position context_len + i.

@@ -1,7 +1,7 @@
-"""Attention of long fresh prompt chunks in bf16 (causal_attention.cpp): close to fp32
-attention of the same bf16-rounded values, closer than torch's bf16 SDPA; each query's
-result independent of the chunk length and the thread split; shapes it cannot take go to
-the torch implementation; bad input is refused."""
+"""Attention of long prompt chunks in bf16 (causal_attention.cpp): close to fp32 attention
+of the same bf16-rounded values, closer than torch's bf16 SDPA; each query's result
+independent of the chunk length, of the context before the chunk and of the thread split;
+shapes it cannot take go to the torch implementation; bad input is refused."""
 
 from __future__ import annotations
 
@@ -75,6 +75,19 @@ def test_rows_do_not_depend_on_chunk_length_or_threads(bf16: CpuKernels) -> None
     assert torch.equal(one, whole)
 
 
+@pytest.mark.parametrize(("n", "nk"), [(1, 1), (1, 200), (70, 130), (200, 200), (129, 1300)])
+def test_a_chunk_after_context_equals_those_rows_of_the_whole(
+    bf16: CpuKernels, tk: TorchKernels, n: int, nk: int
+) -> None:
+    """Queries are the chunk's last n positions of nk: the same bits as in one fresh call."""
+    q, k, v = qkv(nk, 6, 2, 64, 32, seed=nk)
+    whole = bf16.causal_attention_bf16(q, k, v, 0.125)
+    got = bf16.causal_attention_bf16(q[nk - n :], k, v, 0.125)
+    assert torch.equal(got, whole[nk - n :])
+    want = tk.causal_attention_bf16(q[nk - n :], k, v, 0.125)  # masked bf16 SDPA
+    torch.testing.assert_close(got, want, rtol=0, atol=3e-2)
+
+
 def test_a_query_sees_only_earlier_keys(bf16: CpuKernels) -> None:
     q, k, v = qkv(80, 2, 2, 32, 32, seed=3)
     k2, v2 = k.clone(), v.clone()
@@ -108,7 +121,9 @@ def test_bad_input_is_refused(bf16: CpuKernels) -> None:
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         op(q, k[:, :1].expand(10, 3, 32), v[:, :1].expand(10, 3, 32), 0.1)
     with pytest.raises(RuntimeError, match="shapes do not agree"):
-        op(q, k[:9], v, 0.1)
+        op(q, k[:9], v[:9], 0.1)  # fewer keys than queries
+    with pytest.raises(RuntimeError, match="shapes do not agree"):
+        op(q, k, v[:9], 0.1)
     with pytest.raises(RuntimeError, match="must be \\[n, heads, head_dim\\]"):
         op(q[0], k, v, 0.1)
     with pytest.raises(RuntimeError, match="head_dim must be even"):

@@ -107,6 +107,24 @@ def test_long_fresh_chunks_on_a_bf16_cache_take_the_causal_kernel(
     torch.testing.assert_close(fresh[:40], want, rtol=0, atol=2e-2)
 
 
+def test_long_chunks_after_context_on_a_bf16_cache_take_the_causal_kernel(
+    ck: CpuKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = 90
+    monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_TOKENS", 30)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HK, HK))
+    calls = _record(monkeypatch, ck, "causal_attention_bf16")
+    paged = _record(monkeypatch, ck, "paged_attention")
+    whole = _prefill(ck, q, k, v, _cache(n, torch.bfloat16), 0, 0, n)
+    cache = _cache(n, torch.bfloat16)
+    parts = [_prefill(ck, q, k, v, cache, s, s, m) for s, m in ((0, 40), (40, 35), (75, 15))]
+    assert calls == [n, 40, 35] and paged == [15]  # chunks of 30 or less stay paged
+    # a blocked query's bits depend on its position and keys only: the same as in one chunk
+    assert torch.equal(torch.cat(parts[:2]), whole[:75])
+    torch.testing.assert_close(parts[2], whole[75:], rtol=0, atol=2e-2)  # paged: fp32 sums
+
+
 def test_torch_kernels_keep_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     tk = TorchKernels()
     monkeypatch.setattr(tk, "paged_attention", lambda *a: pytest.fail("no paged prompt rows"))
