@@ -172,8 +172,8 @@ class Kernels(Protocol):
 
         q [n, Hq, Dk], k [nk, Hk, Dk], v [nk, Hk, Dv] with nk >= n (any float dtype; Hq a
         multiple of Hk): query i sits at position nk - n + i and sees keys 0 .. that
-        position (a fresh chunk: nk = n). q, k, v and the probabilities are rounded to bf16, sums are
-        fp32. Returns [n, Hq, Dv] float32. For prompt rows whose cache is bf16 only: the
+        position (a fresh chunk: nk = n). q, k, v and the probabilities are rounded to
+        bf16, sums are fp32. Returns [n, Hq, Dv] float32. For prompt rows whose cache is bf16 only: the
         rounding differs from paged_attention's, and from one implementation to another
         (CpuKernels: blocked avx512_bf16 dot products; TorchKernels: torch's SDPA in bf16)."""
         ...

@@ -111,12 +111,7 @@ OPS = (
 )
 # Ops that one of OPS uses behind the protocol (CpuKernels.linear: prompt rows on AMX,
 # GGUF-packed weights).
-INTERNAL_OPS = (
-    "linear_prefill",
-    "quant_linear",
-    "quantize_q8",
-    "quant_linear_q8",
-)
+INTERNAL_OPS = ("linear_prefill", "quant_linear", "quantize_q8", "quant_linear_q8")
 
 
 @dataclass(frozen=True)
@@ -130,7 +125,7 @@ class KernelLib:
     amx: bool = False  # prefill rows of bf16 linears use AMX (see prefill_amx)
     dpbf16: bool = False  # ... or, without AMX, AVX-512 BF16 dot products (prefill_dpbf16)
     vnni: bool = False  # GGUF weights with int8 activations run natively (quant_linear_q8)
-    bf16_dot: bool = False  # long fresh prompt chunks: bf16 dot products (causal_attention.cpp)
+    bf16_dot: bool = False  # long prompt chunks: bf16 dot products (causal_attention.cpp)
 
     def op(self, name: str) -> Any:
         return getattr(self.ops, name)
@@ -204,7 +199,7 @@ def q8_vnni(isa: str) -> bool:
 
 def bf16_dot(isa: str) -> bool:
     """True where ``causal_attention_bf16`` runs natively: ``isa`` is "avx512" and the CPU has
-    avx512_bf16 (elsewhere long fresh prompt chunks take torch's bf16 SDPA)."""
+    avx512_bf16 (elsewhere long prompt chunks take torch's bf16 SDPA)."""
     return isa == "avx512" and DPBF16_CPU_FLAG in (cpu_flags() or set())
 
 

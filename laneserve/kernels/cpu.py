@@ -73,7 +73,7 @@ class CpuKernels:
         self.amx = lib.amx  # prefill rows of bf16 linears use AMX tiles (linear_amx.cpp)
         self.dpbf16 = lib.dpbf16  # ... or AVX-512 BF16 dot products (linear_dpbf16.cpp)
         self.vnni = lib.vnni  # GGUF weights with int8 activations natively (q8.py)
-        self.bf16_dot = lib.bf16_dot  # long fresh prompt chunks: causal_attention.cpp
+        self.bf16_dot = lib.bf16_dot  # long prompt chunks: causal_attention.cpp
         # linear_prefill's method: 0 AMX, 1 AVX-512 BF16; None: prompt rows as decode rows
         self._prefill_method = 0 if lib.amx else 1 if lib.dpbf16 else None
 
