@@ -1,7 +1,7 @@
 """Prompt chunks' attention (model/attention.py): on the CPU kernels a chunk reads the paged
 cache through the decode rows' kernel, so a prompt token's attention is bit for bit what it
-would be as a decode row, whatever the chunking; long fresh chunks take torch SDPA (fp32
-cache) or the bf16 causal kernel (bf16 cache)."""
+would be as a decode row, whatever the chunking; long chunks take the bf16 causal kernel
+on a bf16 cache (fresh or after context), and torch SDPA when fresh on an fp32 cache."""
 
 from __future__ import annotations
 
