@@ -1,9 +1,8 @@
 // causal_attention_bf16: attention of a long prompt chunk of n queries over nk >= n keys
 // (its context, then its own: query i sits at position nk - n + i), for CPUs with
-// avx512_bf16. Blocked, flash style: a tile
-// of kRows queries of one head walks the keys in tiles of 64; Q K^T and P V are
-// `vdpbf16ps` dot products (two bf16 products added into each fp32 lane), softmax is an
-// fp32 online softmax per query.
+// avx512_bf16. Blocked, flash style: a tile of kRows queries of one head walks the keys in
+// tiles of 64; Q K^T and P V are `vdpbf16ps` dot products (two bf16 products added into
+// each fp32 lane), softmax is an fp32 online softmax per query.
 //
 // Numerics: q, k, v and the probabilities p are rounded to bf16 (what a bf16 KV cache
 // stores anyway), every sum is fp32; the result differs from the fp32 paged kernel's in
@@ -20,7 +19,6 @@
 #include "vec.h"
 
 #include <atomic>
-#include <vector>
 
 namespace laneserve {
 namespace {
@@ -34,23 +32,21 @@ constexpr int kDvChunk = 4;          // 16-column zmm accumulators per query in 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16")
 
-// exp for 16 fp32 lanes: exp256's Cephes polynomial (vec.h), -inf -> 0. Not built from two
-// exp256 halves: that made the whole op ~30 % slower on Zen 4.
+// exp for 16 fp32 lanes: exp256's Cephes polynomial and constants (vec.h) for finite and
+// -inf inputs (-> 0); scores are never NaN or +inf here. Not built from two exp256 halves:
+// that made the whole op ~30 % slower on Zen 4.
 inline __m512 exp512(__m512 x) {
-  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365447504f), _CMP_LT_OQ);
-  __m512 v = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-  v = _mm512_max_ps(v, _mm512_set1_ps(-87.3365447504f));
-  __m512 fx = _mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  namespace ce = cephes_exp;
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(ce::kLow), _CMP_LT_OQ);
+  __m512 v = _mm512_min_ps(x, _mm512_set1_ps(ce::kClamp));
+  v = _mm512_max_ps(v, _mm512_set1_ps(ce::kLow));
+  __m512 fx = _mm512_fmadd_ps(v, _mm512_set1_ps(ce::kLog2e), _mm512_set1_ps(0.5f));
   fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  v = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), v);
-  v = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), v);
+  v = _mm512_fnmadd_ps(fx, _mm512_set1_ps(ce::kLn2Hi), v);
+  v = _mm512_fnmadd_ps(fx, _mm512_set1_ps(ce::kLn2Lo), v);
   const __m512 z = _mm512_mul_ps(v, v);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 y = _mm512_set1_ps(ce::kPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(ce::kPoly[i]));
   y = _mm512_fmadd_ps(y, z, v);
   y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
   __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
@@ -220,13 +216,14 @@ at::Tensor causal_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_in,
               "causal_attention_bf16: q, k, v must be [n, heads, head_dim]");
   const int64_t n = q_in.size(0), Hq = q_in.size(1), Dk = q_in.size(2);
   const int64_t nk = k_in.size(0), Hk = k_in.size(1), Dv = v_in.size(2);
-  TORCH_CHECK(nk >= n && v_in.size(0) == nk && v_in.size(1) == Hk && k_in.size(2) == Dk &&
-                  nk < (int64_t{1} << 31),
+  TORCH_CHECK(nk >= n && v_in.size(0) == nk && v_in.size(1) == Hk && k_in.size(2) == Dk,
               "causal_attention_bf16: q, k, v shapes do not agree");
-  TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "causal_attention_bf16: q heads must be a multiple of kv heads");
+  TORCH_CHECK(nk < (int64_t{1} << 31), "causal_attention_bf16: key positions must fit int32");
+  TORCH_CHECK(Hk > 0 && Hq % Hk == 0,
+              "causal_attention_bf16: q heads must be a multiple of kv heads");
   TORCH_CHECK(Dk % 2 == 0 && Dv % 16 == 0 && Dv <= kMaxDv,
-              "causal_attention_bf16: head_dim must be even and v head_dim a multiple of 16 up to ",
-              kMaxDv);
+              "causal_attention_bf16: head_dim must be even and v head_dim a multiple of 16 ",
+              "up to ", kMaxDv);
   at::Tensor out = at::empty({n, Hq, Dv}, q_in.options().dtype(at::kFloat));
   if (n == 0) return out;
   const at::Tensor qb = q_in.to(at::kBFloat16).contiguous();

@@ -133,7 +133,7 @@ void quant_range(const QuantArgs& a, int64_t lo, int64_t hi) {
 template <int64_t Q>
 void quant_driver(const QuantArgs& a) {
   // ~64k FMAs minimum per task, as linear.
-  parallel_over_blocks(a.N / kNB + (a.N % kNB != 0), a.M, a.K, int64_t{1} << 16,
+  parallel_over_blocks(a.M, a.K, a.N, int64_t{1} << 16,
                        [&](int64_t lo, int64_t hi) { quant_range<Q>(a, lo, hi); });
 }
 

@@ -192,7 +192,7 @@ void q8_range(const Q8Args& a, int64_t lo, int64_t hi) {
 template <int64_t Q>
 void q8_driver(const Q8Args& a) {
   // ~256k byte products minimum per task.
-  parallel_over_blocks(a.N / kNB + (a.N % kNB != 0), a.M, a.K, int64_t{1} << 18,
+  parallel_over_blocks(a.M, a.K, a.N, int64_t{1} << 18,
                        [&](int64_t lo, int64_t hi) { q8_range<Q>(a, lo, hi); });
 }
 

@@ -68,12 +68,13 @@ inline void for_column_blocks(int64_t b0, int64_t b1, Blocks&& blocks) {
   for (; b < b1; ++b) blocks(Count<1>{}, b);
 }
 
-// range(lo, hi) over column blocks 0 .. nblk-1 of an [M, K] x [K, 16 nblk] product, split
-// over threads with at least min_work multiply-adds per task (tiny problems stay on one
+// range(lo, hi) over the column blocks of 16 of an [M, K] x [K, N] product, split over
+// threads with at least min_work multiply-adds per task (tiny problems stay on one
 // thread), in groups of 8 blocks when M is more than one row tile.
 template <typename Range>
-inline void parallel_over_blocks(int64_t nblk, int64_t M, int64_t K, int64_t min_work,
+inline void parallel_over_blocks(int64_t M, int64_t K, int64_t N, int64_t min_work,
                                  Range&& range) {
+  const int64_t nblk = (N + kNB - 1) / kNB;
   const int64_t per_block = std::max<int64_t>(1, M * K * kNB);
   const int64_t grain = std::max<int64_t>(1, min_work / per_block);
   at::parallel_for(0, nblk, grain, [&](int64_t lo, int64_t hi) {

@@ -60,27 +60,36 @@ inline __m256 hsum8(const __m256* a) {
                        _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// Constants of the Cephes exp: range limits, ln 2 split in two, the polynomial's
+// coefficients from the highest degree. Shared by exp256 and causal_attention's exp512.
+namespace cephes_exp {
+constexpr float kLow = -87.3365447504f;  // below: the result is denormal, flushed to 0
+constexpr float kHigh = 88.3762626647949f;  // above: +inf
+constexpr float kClamp = 88.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace cephes_exp
+
 // exp(x) for fp32 lanes, Cephes polynomial (~1-2 ulp). Inputs below
 // -87.34 (results in the denormal range) flush to 0, inputs above 88.38
 // overflow to +inf, NaN propagates. Used by silu and the attention softmax.
 inline __m256 exp256(__m256 x) {
+  namespace ce = cephes_exp;
   const __m256 nan_mask = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365447504f), _CMP_LT_OQ);
-  const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.3762626647949f), _CMP_GT_OQ);
-  __m256 v = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-  v = _mm256_max_ps(v, _mm256_set1_ps(-87.3365447504f));
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(ce::kLow), _CMP_LT_OQ);
+  const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(ce::kHigh), _CMP_GT_OQ);
+  __m256 v = _mm256_min_ps(x, _mm256_set1_ps(ce::kClamp));
+  v = _mm256_max_ps(v, _mm256_set1_ps(ce::kLow));
 
-  __m256 fx = _mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  __m256 fx = _mm256_fmadd_ps(v, _mm256_set1_ps(ce::kLog2e), _mm256_set1_ps(0.5f));
   fx = _mm256_floor_ps(fx);
-  v = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), v);
-  v = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), v);
+  v = _mm256_fnmadd_ps(fx, _mm256_set1_ps(ce::kLn2Hi), v);
+  v = _mm256_fnmadd_ps(fx, _mm256_set1_ps(ce::kLn2Lo), v);
   const __m256 z = _mm256_mul_ps(v, v);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 y = _mm256_set1_ps(ce::kPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(ce::kPoly[i]));
   y = _mm256_fmadd_ps(y, z, v);
   y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
 

@@ -105,18 +105,18 @@ def paged_attention(
     if nd:
         out[:nd] = _decode_attention(kernels, q[:nd], k_cache, v_cache, meta, scale)
     paged = kernels.name == "cpu" and q.shape[-1] % 8 == 0
-    blocked = k_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
+    bf16_cpu = k_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         short = span.num_tokens <= PAGED_PREFILL_MAX_TOKENS
-        if paged and (short or (span.context_len > 0 and not blocked)):
+        if paged and (short or (span.context_len > 0 and not bf16_cpu)):
             table, lens, starts = span.kernel_args
             out[rows] = kernels.paged_attention(
                 q[rows], k_cache, v_cache, table, lens, starts, scale
             )
             continue
         out[rows] = _prefill_attention(
-            kernels, q[rows], k[rows], v[rows], k_cache, v_cache, span, scale
+            kernels, q[rows], k[rows], v[rows], k_cache, v_cache, span, scale, bf16_cpu
         )
     return out
 
@@ -130,10 +130,10 @@ def _prefill_attention(
     v_cache: torch.Tensor,
     span: PrefillSpan,
     scale: float,
+    bf16_cpu: bool,  # a bf16 cache on CPU
 ) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
     total = span.context_len + span.num_tokens
-    bf16_cpu = k_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
     if bf16_cpu and (span.context_len == 0 or span.num_tokens > PAGED_PREFILL_MAX_TOKENS):
         # NOTE: a bf16 cache stores these K/V rounded to bf16 anyway, and prompt rows'
         # numerics are already their own (docs/kernels.md). fp32 models stay fp32.
