@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from laneserve.kernels import q8, quant, weights
+from laneserve.kernels import q8, quant, torch_attention, weights
 from laneserve.kernels.quant import QuantWeight
 from laneserve.kernels.weights import PackedWeight
 
@@ -157,28 +157,9 @@ class TorchKernels:
         scale: float,
         last_slot: torch.Tensor | None = None,  # [S] int64: the last key's slot (-1: table)
     ) -> torch.Tensor:  # [T, Hq, D], q.dtype
-        out = torch.empty_like(q)
-        block_size, hk = k_cache.shape[1], k_cache.shape[2]
-        group = q.shape[1] // hk
-        starts = query_start_loc.tolist()
-        lasts = last_slot.tolist() if last_slot is not None else [-1] * len(starts)
-        for s, seq_len in enumerate(seq_lens.tolist()):
-            q0, q1 = starts[s], starts[s + 1]
-            if q1 == q0:
-                continue
-            n_blocks = -(-seq_len // block_size)
-            blocks = block_tables[s, :n_blocks].long()
-            k = _gather_kv(k_cache, blocks, seq_len, group, q.dtype, lasts[s])
-            v = _gather_kv(v_cache, blocks, seq_len, group, q.dtype, lasts[s])
-            q_len = q1 - q0
-            # Bottom-right aligned causal mask: query i sits at position seq_len - q_len + i.
-            qpos = torch.arange(q_len, device=q.device) + (seq_len - q_len)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(
-                q[q0:q1].transpose(0, 1), k, v, attn_mask=mask, scale=scale
-            )
-            out[q0:q1] = o.transpose(0, 1)
-        return out
+        return torch_attention.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, last_slot
+        )
 
     def causal_attention_bf16(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -210,11 +191,7 @@ class TorchKernels:
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [T] int64; slot = block * block_size + offset; <0 skip
     ) -> None:
-        slots = slot_mapping.long()
-        valid = slots >= 0
-        for src, cache in ((k, k_cache), (v, v_cache)):
-            flat = cache.view(-1, cache.shape[2], cache.shape[3])
-            flat.index_copy_(0, slots[valid], src[valid].to(cache.dtype))
+        torch_attention.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
     def verify_greedy(
         self,
@@ -360,17 +337,3 @@ class TorchKernels:
             order = torch.sort((~differ).to(torch.int8), dim=1, stable=True).indices
             side_drafts[slots, : top.shape[1] - 1] = top.gather(1, order)[:, :-1]
 
-
-def _gather_kv(
-    cache: torch.Tensor,
-    blocks: torch.Tensor,
-    seq_len: int,
-    group: int,
-    dtype: torch.dtype,
-    last_slot: int = -1,
-) -> torch.Tensor:  # [Hq, seq_len, D]
-    hk, d = cache.shape[2], cache.shape[3]
-    kv = cache[blocks].reshape(-1, hk, d)[:seq_len].to(dtype)
-    if last_slot >= 0:
-        kv[seq_len - 1] = cache.view(-1, hk, d)[last_slot].to(dtype)
-    return kv.repeat_interleave(group, dim=1).transpose(0, 1)
