@@ -35,6 +35,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     chat_template: str | None = None  # a file, or the template itself (None: the model's)
     generation_config: str = "vllm"  # "auto": the model's generation_config.json defaults
     gguf_weights: str = "quantized"  # one of GGUF_WEIGHTS (CPU only; see docs/kernels.md)
+    enforce_eager: bool = False  # CUDA: no decode graphs (CPU always runs eagerly)
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

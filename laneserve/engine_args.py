@@ -151,6 +151,11 @@ class EngineArgs:
     use_kernels: bool = _from_config(
         ModelConfig, "use_kernels", "CPU C++ kernels (built on first use)", flag="--kernels"
     )
+    enforce_eager: bool = _from_config(
+        ModelConfig,
+        "enforce_eager",
+        "CUDA: run every step eagerly, without capturing decode steps as CUDA graphs",
+    )
     trust_remote_code: bool = _arg(
         False, "accepted for vLLM compatibility; no remote code ever runs here"
     )
@@ -192,6 +197,7 @@ class EngineArgs:
                 seed=self.seed,
                 use_kernels=self.use_kernels,
                 gguf_weights=self.gguf_weights,
+                enforce_eager=self.enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

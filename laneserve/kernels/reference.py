@@ -336,4 +336,3 @@ class TorchKernels:
             differ = top != first[:, :1]
             order = torch.sort((~differ).to(torch.int8), dim=1, stable=True).indices
             side_drafts[slots, : top.shape[1] - 1] = top.gather(1, order)[:, :-1]
-

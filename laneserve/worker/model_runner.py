@@ -33,6 +33,7 @@ from laneserve.spec_decode.base import Proposer, StepView
 from laneserve.spec_decode.proposers import MtpProposer
 from laneserve.structured.matchers import GrammarBook, MaskRow
 from laneserve.worker import prompt_logprobs, side_rows, step_outputs
+from laneserve.worker.cuda_graphs import DecodeGraphs
 from laneserve.worker.input_batch import SlotTable
 from laneserve.worker.kv_cache import KvCache
 from laneserve.worker.side_rows import KvStack, SideStep
@@ -98,6 +99,7 @@ class ModelRunner:
         proposer: Proposer | None = None,
         side_width: int = 0,  # alternatives per speculative row (token tree)
         grammars: GrammarBook | None = None,  # structured output's matchers
+        graphs: DecodeGraphs | None = None,  # CUDA graphs of decode steps
     ) -> None:
         self.model = model
         self.kv_caches = kv.layers  # per group, per layer: (K, V) or (latent,)
@@ -107,6 +109,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.proposer = proposer
         self.grammars = grammars
+        self.graphs = graphs
         self.mtp_group = kv.group_index("mtp") if isinstance(proposer, MtpProposer) else None
         self.kv_stacks: list[KvStack] = kv.stacks  # per group: the layers' caches stacked
         self.max_spec = max_spec
@@ -238,6 +241,9 @@ class ModelRunner:
                 grouped = self._all_groups(inp)
                 hidden, streams = self.model.forward(ids, positions, grouped, self.kv_caches)
                 return _Forward(hidden, draft_hidden=streams)
+            graphed = self._graphed(inp, ids, positions, meta)
+            if graphed is not None:
+                return _Forward(graphed)
             hidden, _ = self.model.forward(ids, positions, meta, self.kv_caches[0])
             return _Forward(hidden)
         assert not isinstance(self.model, DeepseekV4Model), "V4 takes no token-tree rows"
@@ -247,6 +253,17 @@ class ModelRunner:
         out, _ = self.model.forward(ids_all, pos_all, meta_all, self.kv_caches[0])
         hidden, side_hidden = side_rows.split(out, side)
         return _Forward(hidden, side, side_hidden)
+
+    def _graphed(
+        self, inp: StepInputs, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The hidden states from a decode graph, when the step has that shape (None: not)."""
+        if self.graphs is None or self.capture is not None or inp.prefills:
+            return None
+        qlens = {1 + r.num_spec for r in inp.rows}  # decode rows: the token and its drafts
+        if len(qlens) != 1:
+            return None
+        return self.graphs.run(ids, positions, meta, qlens.pop())
 
     def _all_groups(self, inp: StepInputs) -> V4StepMetadata:
         """Every cache group's table per token (a model that reads all its groups)."""

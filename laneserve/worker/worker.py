@@ -28,6 +28,7 @@ from laneserve.config import EngineConfig
 from laneserve.core.engine_core import read_lookahead
 from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.kernels import get_kernels
+from laneserve.model.llama import LlamaModel
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
 from laneserve.model.registry import dtype_bytes, family_for
 from laneserve.obs.profiling import Tracer
@@ -39,6 +40,7 @@ from laneserve.protocol import (
 )
 from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
 from laneserve.structured.matchers import GrammarBook
+from laneserve.worker.cuda_graphs import DecodeGraphs
 from laneserve.worker.failures import StepFailure, failed_result, handles_of, salvage
 from laneserve.worker.input_batch import InputSlot, RequestTable
 from laneserve.worker.kv_cache import KvCache, StepBounds, num_blocks_for
@@ -130,6 +132,25 @@ class Worker:
             proposer=self._proposer(),
             side_width=self.side_width,
             grammars=self.grammars,
+            graphs=self._decode_graphs(),
+        )
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps (Llama-family targets on CUDA, unless enforce_eager)."""
+        if (
+            self.device.type != "cuda"
+            or self.config.model.enforce_eager
+            or not isinstance(self.model, LlamaModel)
+        ):
+            return None
+        span = self.max_model_len + self.max_spec + 2  # RequestTable's longest row
+        return DecodeGraphs(
+            self.model,
+            self.kv.layers[0],
+            self.block_size,
+            self.num_blocks[0],  # the main group's scratch block
+            self.config.scheduler.max_num_seqs,
+            -(-span // self.block_size) + self.max_spec + 1,  # + the inputs' pad columns
         )
 
     def _inputs(self) -> tuple[list[InputSlot], InputLayout]:

@@ -1,0 +1,187 @@
+"""Decode steps through worker/cuda_graphs.py: bucketing, padding, fixed buffers.
+
+On CPU the buckets run eagerly (`capture=False`): the same padded, fixed-tensor forward
+a CUDA graph replays. The capture itself is checked by the `cuda`-marked test."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from laneserve.engine_args import EngineArgs
+from laneserve.frontend.engine import LLMEngine
+from laneserve.sampling_params import SamplingParams
+from laneserve.worker.clients import InlineClient
+from laneserve.worker.cuda_graphs import Bucket, DecodeGraphs, capture_sizes
+from laneserve.worker.worker import Worker
+from tests.host_reads import no_host_reads
+from tests.tiny_models import hf_greedy
+
+
+def test_capture_sizes_and_buckets() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.sizes, graphs.max_columns, graphs.block_size = capture_sizes(20), 40, 16
+    assert graphs.bucket(3, 1, 5) == Bucket(4, 1, 8)
+    assert graphs.bucket(17, 3, 33) == Bucket(20, 3, 40)  # capped at the longest request
+    assert graphs.bucket(20, 1, 1) == Bucket(20, 1, 1)
+    assert graphs.bucket(21, 1, 4) is None  # more rows than any capture
+    assert graphs.bucket(4, 1, 41) is None
+    assert graphs.bucket(4, 17, 4) is None  # padding rows need q slots in one block
+
+
+class _Guarded(DecodeGraphs):
+    """Every padded forward under the host-read guard."""
+
+    monkeypatch: pytest.MonkeyPatch
+
+    def _forward(self, cap):  # type: ignore[no-untyped-def]
+        with no_host_reads(self.monkeypatch):
+            return super()._forward(cap)
+
+
+def _engine(model: Path, kernels: bool, spec: dict | None, **kw: object) -> LLMEngine:
+    args = EngineArgs(
+        model=str(model),
+        dtype="float32",
+        use_kernels=kernels,
+        async_scheduling=False,
+        max_num_seqs=8,
+        speculative_config=spec,
+        **kw,
+    )
+    config = args.create_config()
+    return LLMEngine(config, client=InlineClient(config, Worker(config)))
+
+
+def _attach(eng: LLMEngine, monkeypatch: pytest.MonkeyPatch | None) -> DecodeGraphs:
+    worker = eng.client.worker
+    cls = DecodeGraphs
+    if monkeypatch is not None:
+        cls, _Guarded.monkeypatch = _Guarded, monkeypatch
+    graphs = cls(
+        worker.model,
+        worker.kv.layers[0],
+        worker.block_size,
+        worker.num_blocks[0],
+        8,
+        -(-(worker.max_model_len + worker.max_spec + 2) // worker.block_size) + worker.max_spec + 1,
+        capture=False,
+    )
+    worker.runner.graphs = graphs
+    return graphs
+
+
+def _work(seed: int) -> list[tuple[int, list[int], int]]:
+    """(arrival step, prompt, max_tokens): staggered, so the batch grows and shrinks."""
+    rng = random.Random(seed)
+    return [
+        (rng.randint(0, 12), [rng.randrange(3, 300) for _ in range(rng.randint(3, 40))], n)
+        for n in (30, 9, 25, 4, 18, 30)
+    ]
+
+
+def _run(eng: LLMEngine, work: list[tuple[int, list[int], int]]) -> list[list[int]]:
+    got: dict[int, list[int]] = {i: [] for i in range(len(work))}
+    pending = sorted(enumerate(work), key=lambda x: x[1][0])
+    step = 0
+    while pending or eng.has_unfinished:
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, n) = pending.pop(0)
+            eng.add_request(
+                str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            )
+        for d in eng.step():
+            got[int(d.state.group_id)] += d.token_ids
+        step += 1
+    return [got[i] for i in range(len(work))]
+
+
+@pytest.fixture
+def model(tiny_models: dict[str, Path]) -> Iterator[Path]:
+    yield tiny_models["llama"]
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-kernels"])
+def test_padded_buckets_give_the_plain_tokens(
+    model: Path, kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps through padded buckets: HF's greedy tokens, several buckets used, and
+    (torch kernels, CUDA's ops) no host read anywhere in the padded forward."""
+    work = _work(1)
+    eng = _engine(model, kernels, None)
+    graphs = _attach(eng, None if kernels else monkeypatch)
+    got = _run(eng, work)
+    eng.shutdown()
+    assert got == [hf_greedy(model, p, n) for _, p, n in work]
+    rows = {b.rows for b in graphs.buckets}
+    assert graphs.replays > 20 and len(rows) >= 3 and {b.qlen for b in graphs.buckets} == {1}
+    assert any(b.rows * b.qlen > 1 for b in graphs.buckets)
+
+
+def test_padded_buckets_under_speculation(model: Path) -> None:
+    """Dense verify steps (1 + k tokens per row) replay buckets of q = k + 1; the tokens
+    equal the plain engine's (CPU kernels: bit-identical rows)."""
+    rng = random.Random(5)
+    motif = [rng.randrange(3, 300) for _ in range(6)]
+    work = [(i, motif * 4 + [rng.randrange(3, 300)], 24) for i in range(4)]
+    plain = _engine(model, True, None)
+    want = _run(plain, work)
+    plain.shutdown()
+    eng = _engine(model, True, {"method": "ngram", "num_speculative_tokens": 2})
+    graphs = _attach(eng, None)
+    got = _run(eng, work)
+    stats = eng.stats()
+    eng.shutdown()
+    assert got == want
+    assert 3 in {b.qlen for b in graphs.buckets} and graphs.replays > 0
+    assert stats["spec_num_accepted"] > 0
+
+
+@pytest.mark.cuda
+def test_captured_graphs_match_eager(tiny_models: dict[str, Path]) -> None:
+    """On CUDA (fp32): the default engine captures decode graphs and gives the tokens of
+    the same engine with enforce_eager."""
+    model, work = tiny_models["llama"], _work(3)
+    runs = []
+    for eager in (True, False):
+        args = EngineArgs(
+            model=str(model),
+            dtype="float32",
+            device="cuda",
+            max_num_seqs=8,
+            enforce_eager=eager,
+            async_scheduling=False,
+        )
+        config = args.create_config()
+        eng = LLMEngine(config, client=InlineClient(config, Worker(config)))
+        runs.append(_run(eng, work))
+        graphs = eng.client.worker.runner.graphs
+        assert (graphs is None) == eager
+        if graphs is not None:
+            assert graphs.replays > 20 and graphs.capture
+        eng.shutdown()
+    assert runs[0] == runs[1]
+    assert runs[0] == [hf_greedy(model, p, n) for _, p, n in work]
+    torch.cuda.synchronize()
+
+
+def test_a_failed_capture_leaves_steps_eager(model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A capture that raises (here: CUDA calls on a CPU build) turns graphs off with a
+    warning; every step still runs, eagerly, with the plain tokens."""
+    work = _work(2)
+    eng = _engine(model, True, None)
+    graphs = _attach(eng, None)
+    graphs.capture = True
+    with caplog.at_level("WARNING", logger="laneserve.worker.cuda_graphs"):
+        got = _run(eng, work)
+    eng.shutdown()
+    assert got == [hf_greedy(model, p, n) for _, p, n in work]
+    assert graphs.failure is not None and graphs.replays == 0 and not graphs.buckets
+    assert sum("decode graphs off" in r.message for r in caplog.records) == 1
