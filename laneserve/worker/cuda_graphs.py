@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from laneserve.kernels.torch_attention import GATHERED_MAX_QUERIES_PER_SEQ
 from laneserve.model.attention import AttentionMetadata
 from laneserve.model.llama import LlamaModel
 
@@ -87,6 +88,9 @@ class DecodeGraphs:
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.sizes = capture_sizes(max_rows)
+        # padding rows keep their q tokens in one block; longer rows would leave the
+        # attention's host-read-free path
+        self.max_qlen = min(block_size, GATHERED_MAX_QUERIES_PER_SEQ)
         self.max_columns = max_columns
         self.capture = capture
         self.device = model.embed_tokens.device
@@ -104,7 +108,7 @@ class DecodeGraphs:
 
     def bucket(self, rows: int, qlen: int, columns: int) -> Bucket | None:
         """The bucket of a qualifying step's shape (None: larger than any captured)."""
-        if rows > self.sizes[-1] or columns > self.max_columns or qlen > self.block_size:
+        if rows > self.sizes[-1] or columns > self.max_columns or qlen > self.max_qlen:
             return None
         size = next(s for s in self.sizes if s >= rows)
         return Bucket(size, qlen, _round_up_pow2(columns, self.max_columns))

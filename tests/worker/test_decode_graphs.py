@@ -27,13 +27,14 @@ def test_capture_sizes_and_buckets() -> None:
     assert capture_sizes(8) == [1, 2, 4, 8]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     graphs = DecodeGraphs.__new__(DecodeGraphs)
-    graphs.sizes, graphs.max_columns, graphs.block_size = capture_sizes(20), 40, 16
+    graphs.sizes, graphs.max_columns, graphs.max_qlen = capture_sizes(20), 40, 8
     assert graphs.bucket(3, 1, 5) == Bucket(4, 1, 8)
     assert graphs.bucket(17, 3, 33) == Bucket(20, 3, 40)  # capped at the longest request
     assert graphs.bucket(20, 1, 1) == Bucket(20, 1, 1)
     assert graphs.bucket(21, 1, 4) is None  # more rows than any capture
     assert graphs.bucket(4, 1, 41) is None
-    assert graphs.bucket(4, 17, 4) is None  # padding rows need q slots in one block
+    assert graphs.bucket(4, 8, 4) == Bucket(4, 8, 4)
+    assert graphs.bucket(4, 9, 4) is None  # beyond the attention's gathered path
 
 
 class _Guarded(DecodeGraphs):
