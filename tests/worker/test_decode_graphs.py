@@ -47,17 +47,22 @@ class _Guarded(DecodeGraphs):
             return super()._forward(cap)
 
 
-def _engine(model: Path, kernels: bool, spec: dict | None, **kw: object) -> LLMEngine:
+def _engine(
+    model: Path, kernels: bool, spec: dict | None, async_on: bool = False, **kw: object
+) -> LLMEngine:
+    """Sync: steps inline in this thread; async: the worker's lanes (two steps in flight)."""
     args = EngineArgs(
         model=str(model),
         dtype="float32",
         use_kernels=kernels,
-        async_scheduling=False,
+        async_scheduling=async_on,
         max_num_seqs=8,
         speculative_config=spec,
         **kw,
     )
     config = args.create_config()
+    if async_on:
+        return LLMEngine(config)
     return LLMEngine(config, client=InlineClient(config, Worker(config)))
 
 
@@ -109,14 +114,18 @@ def model(tiny_models: dict[str, Path]) -> Iterator[Path]:
     yield tiny_models["llama"]
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-kernels"])
+@pytest.mark.parametrize(
+    ("kernels", "async_on"),
+    [(True, False), (False, False), (True, True)],
+    ids=["cpu-kernels", "torch-kernels", "cpu-kernels-async"],
+)
 def test_padded_buckets_give_the_plain_tokens(
-    model: Path, kernels: bool, monkeypatch: pytest.MonkeyPatch
+    model: Path, kernels: bool, async_on: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Decode steps through padded buckets: HF's greedy tokens, several buckets used, and
     (torch kernels, CUDA's ops) no host read anywhere in the padded forward."""
     work = _work(1)
-    eng = _engine(model, kernels, None)
+    eng = _engine(model, kernels, None, async_on)
     graphs = _attach(eng, None if kernels else monkeypatch)
     got = _run(eng, work)
     eng.shutdown()
