@@ -1,8 +1,8 @@
 """CUDA graphs for decode steps: the target's forward captured per bucket, then replayed.
 
 A step qualifies when all its rows are decode-like (no prompt chunk), it has no side
-rows, and every row has the same query length q (1, or 1 + k in a verify of k
-drafts). Its bucket is (rows rounded up to a capture size, q, block-table columns
+rows, and every row has the same query length q (1, or 1 + k in a verify of k drafts;
+at most 8). Its bucket is (rows rounded up to a capture size, q, block-table columns
 rounded up to a power of two). A bucket owns fixed input tensors: a step copies its
 values into their first rows, and padding fills the rest:
 
@@ -15,9 +15,10 @@ the device lane reads it within the step, before the next replay.
 
 A bucket is captured the first time a step uses it: one warm-up run (cuBLAS picks and
 allocates its workspaces outside the capture), then the capture, in one memory pool
-shared by every bucket. Should a capture fail, the error is logged and every later step
-runs eagerly (graphs are a speed-up, never a reason to fail a request). With `capture=False` the same padded, fixed-tensor forward
-runs eagerly: that is how the CPU tests check the padding and the buffers.
+shared by every bucket. Should a capture fail, the error is logged and every later
+step runs eagerly (graphs are a speed-up, never a reason to fail a request). With
+`capture=False` the same padded, fixed-tensor forward runs eagerly: that is how the CPU
+tests check the padding and the buffers.
 
 The forward must not read device values on the host (tests/host_reads.py checks the
 decoder stack with TorchKernels on CPU): a captured read would be frozen in the graph.
