@@ -19,7 +19,7 @@ from laneserve.worker.clients import InlineClient
 from laneserve.worker.cuda_graphs import Bucket, DecodeGraphs, capture_sizes
 from laneserve.worker.worker import Worker
 from tests.host_reads import no_host_reads
-from tests.tiny_models import hf_greedy
+from tests.tiny_models import build_bigram_model, build_exact_mtp_head, hf_greedy
 
 
 def test_capture_sizes_and_buckets() -> None:
@@ -152,6 +152,27 @@ def test_padded_buckets_under_speculation(model: Path) -> None:
     assert got == want
     assert 3 in {b.qlen for b in graphs.buckets} and graphs.replays > 0
     assert stats["spec_num_accepted"] > 0
+
+
+def test_padded_buckets_under_mtp(tmp_path: Path) -> None:
+    """MTP (k = 2, a head right on half the vocabulary): the verify steps' forward replays
+    q = 3 buckets and the head drafts from the bucket's hidden states; the tokens equal
+    the plain engine's, async on (the lanes)."""
+    model = build_bigram_model(tmp_path / "bigram", "llama", seed=4)
+    head = build_exact_mtp_head(model, tmp_path / "half.safetensors", list(range(0, 320, 2)))
+    work = _work(4)
+    plain = _engine(model, True, None)
+    want = _run(plain, work)
+    plain.shutdown()
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_weights": str(head)}
+    eng = _engine(model, True, spec, async_on=True)
+    graphs = _attach(eng, None)
+    got = _run(eng, work)
+    stats = eng.stats()
+    eng.shutdown()
+    assert got == want
+    assert 3 in {b.qlen for b in graphs.buckets} and graphs.replays > 0
+    assert stats["spec_num_drafts"] > stats["spec_num_accepted"] > 0
 
 
 @pytest.mark.cuda
