@@ -185,11 +185,14 @@ def test_vllm_style_serve_command_line_parses() -> None:
     ns = build_parser().parse_args(
         ["serve", "some/model", "--served-model-name", "a", "b", "--trust-remote-code",
          "--disable-log-requests", "--uvicorn-log-level", "info", "--tensor-parallel-size", "1",
-         "--gpu-memory-utilization", "0.9"]
+         "--gpu-memory-utilization", "0.9", "--enforce-eager"]
     )  # fmt: skip
     assert ns.model_tag == "some/model" and ns.served_model_name == ["a", "b"]
     assert ns.trust_remote_code and ns.disable_log_requests and ns.uvicorn_log_level == "info"
-    assert EngineArgs.from_cli(ns).gpu_memory_utilization == 0.9
+    args = EngineArgs.from_cli(ns)
+    assert args.gpu_memory_utilization == 0.9 and args.enforce_eager
+    assert not EngineArgs.from_cli(build_parser().parse_args(["serve", "m"])).enforce_eager
+    assert args.create_config().model.enforce_eager
 
 
 @pytest.mark.parametrize(
