@@ -192,7 +192,7 @@ def test_vllm_style_serve_command_line_parses() -> None:
     args = EngineArgs.from_cli(ns)
     assert args.gpu_memory_utilization == 0.9 and args.enforce_eager
     assert not EngineArgs.from_cli(build_parser().parse_args(["serve", "m"])).enforce_eager
-    assert args.create_config().model.enforce_eager
+    assert EngineArgs(model="m", enforce_eager=True).create_config().model.enforce_eager
 
 
 @pytest.mark.parametrize(
