@@ -135,22 +135,31 @@ def test_padded_buckets_give_the_plain_tokens(
     assert any(b.rows * b.qlen > 1 for b in graphs.buckets)
 
 
-def test_padded_buckets_under_speculation(model: Path) -> None:
-    """Dense verify steps (1 + k tokens per row) replay buckets of q = k + 1; the tokens
-    equal the plain engine's (CPU kernels: bit-identical rows)."""
-    rng = random.Random(5)
-    motif = [rng.randrange(3, 300) for _ in range(6)]
-    work = [(i, motif * 4 + [rng.randrange(3, 300)], 24) for i in range(4)]
+def _speculative_through_buckets(
+    model: Path, work: list[tuple[int, list[int], int]], spec: dict, async_on: bool
+) -> dict:
+    """k = 2 drafts through padded buckets: the plain engine's tokens, q = 3 buckets
+    replayed; returns the engine's stats."""
     plain = _engine(model, True, None)
     want = _run(plain, work)
     plain.shutdown()
-    eng = _engine(model, True, {"method": "ngram", "num_speculative_tokens": 2})
+    eng = _engine(model, True, {**spec, "num_speculative_tokens": 2}, async_on)
     graphs = _attach(eng, None)
     got = _run(eng, work)
     stats = eng.stats()
     eng.shutdown()
     assert got == want
     assert 3 in {b.qlen for b in graphs.buckets} and graphs.replays > 0
+    return stats
+
+
+def test_padded_buckets_under_speculation(model: Path) -> None:
+    """Dense verify steps (1 + k tokens per row) replay buckets of q = k + 1; the tokens
+    equal the plain engine's (CPU kernels: bit-identical rows)."""
+    rng = random.Random(5)
+    motif = [rng.randrange(3, 300) for _ in range(6)]
+    work = [(i, motif * 4 + [rng.randrange(3, 300)], 24) for i in range(4)]
+    stats = _speculative_through_buckets(model, work, {"method": "ngram"}, async_on=False)
     assert stats["spec_num_accepted"] > 0
 
 
@@ -160,18 +169,8 @@ def test_padded_buckets_under_mtp(tmp_path: Path) -> None:
     the plain engine's, async on (the lanes)."""
     model = build_bigram_model(tmp_path / "bigram", "llama", seed=4)
     head = build_exact_mtp_head(model, tmp_path / "half.safetensors", list(range(0, 320, 2)))
-    work = _work(4)
-    plain = _engine(model, True, None)
-    want = _run(plain, work)
-    plain.shutdown()
-    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_weights": str(head)}
-    eng = _engine(model, True, spec, async_on=True)
-    graphs = _attach(eng, None)
-    got = _run(eng, work)
-    stats = eng.stats()
-    eng.shutdown()
-    assert got == want
-    assert 3 in {b.qlen for b in graphs.buckets} and graphs.replays > 0
+    spec = {"method": "mtp", "draft_weights": str(head)}
+    stats = _speculative_through_buckets(model, _work(4), spec, async_on=True)
     assert stats["spec_num_drafts"] > stats["spec_num_accepted"] > 0
 
 
