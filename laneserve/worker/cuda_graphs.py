@@ -211,15 +211,14 @@ class DecodeGraphs:
         lens: torch.Tensor,
     ) -> None:
         """The step's values into the first rows, padding into the rest."""
-        t, (rows, columns) = ids.shape[0], tables.shape
-        for name, real in (("ids", ids), ("positions", positions), ("slots", slots)):
-            dst = getattr(cap, name)
-            dst[t:].copy_(cap.pad[name][t:])
-            dst[:t].copy_(real)
+        per_token = (("ids", ids), ("positions", positions), ("slots", slots))
+        for name, real in (*per_token, ("seq_lens", lens)):
+            dst, n = getattr(cap, name), real.shape[0]
+            dst[n:].copy_(cap.pad[name][n:])
+            dst[:n].copy_(real)
+        rows, columns = tables.shape
         cap.tables[rows:].fill_(self.scratch_block)
         cap.tables[:rows, :columns].copy_(tables)
-        cap.seq_lens[rows:].copy_(cap.pad["seq_lens"][rows:])
-        cap.seq_lens[:rows].copy_(lens)
 
     def _forward(self, cap: _Captured) -> torch.Tensor:
         hidden, _ = self.model.forward(cap.ids, cap.positions, cap.meta, self.caches)

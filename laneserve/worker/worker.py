@@ -77,6 +77,10 @@ class Worker:
         self.max_model_len = _max_model_len(config, self.ckpt)
         spec = config.speculative
         self.max_spec = spec.depth if spec else 0
+        # positions a row can reach (drafts past max_model_len included), and the block-table
+        # columns every step's tables carry past a row's blocks for them
+        self.max_positions = self.max_model_len + self.max_spec + 2
+        self.pad_cols = self.max_spec + 1
         self.side_width = spec.num_candidates - 1 if spec else 0  # token tree alternatives
         store = WeightStore(self.ckpt, self.device, self.act_dtype)
         self.family = family_for(arch)
@@ -109,7 +113,7 @@ class Worker:
             store,
             self.device,
             self.act_dtype,
-            self.max_model_len + self.max_spec + 2,
+            self.max_positions,
         )
         if spec is None or spec.method != "mtp":
             return model, None
@@ -143,14 +147,13 @@ class Worker:
             or not isinstance(self.model, LlamaModel)
         ):
             return None
-        span = self.max_model_len + self.max_spec + 2  # RequestTable's longest row
         return DecodeGraphs(
             self.model,
             self.kv.layers[0],
             self.block_size,
             self.num_blocks[0],  # the main group's scratch block
             self.config.scheduler.max_num_seqs,
-            -(-span // self.block_size) + self.max_spec + 1,  # + the inputs' pad columns
+            -(-self.max_positions // self.block_size) + self.pad_cols,
         )
 
     def _inputs(self) -> tuple[list[InputSlot], InputLayout]:
@@ -163,7 +166,7 @@ class Worker:
             self.device,
             self.ckpt.arch.vocab_size,
             tuple(self.num_blocks),  # per group: the scratch block id
-            self.max_spec + 1,
+            self.pad_cols,
             self.side_width,
             self.side_base,
             self.shared_generator,

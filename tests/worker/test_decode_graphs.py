@@ -77,7 +77,7 @@ def _attach(eng: LLMEngine, monkeypatch: pytest.MonkeyPatch | None) -> DecodeGra
         worker.block_size,
         worker.num_blocks[0],
         8,
-        -(-(worker.max_model_len + worker.max_spec + 2) // worker.block_size) + worker.max_spec + 1,
+        -(-worker.max_positions // worker.block_size) + worker.pad_cols,
         capture=False,
     )
     worker.runner.graphs = graphs
