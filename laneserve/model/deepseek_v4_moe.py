@@ -4,8 +4,8 @@ SwiGLU clamped at `swiglu_limit`, and one shared expert.
 Routing runs in fp32. A `moe` layer picks the top-k experts by score + bias (the bias
 only selects); a `hash_moe` layer takes them from `tid2eid[token id]`. Either way the
 weights are the chosen experts' unbiased scores, normalised to sum to 1, times
-`routed_scaling_factor`. Experts run grouped by expert, results summed per token in
-expert order (as transformers adds them).
+`routed_scaling_factor`. Experts run grouped by expert (on the host or the device, as
+in `moe.py`), results summed per token in expert order (as transformers adds them).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from laneserve.model.arch import UnsupportedModelError
 from laneserve.model.deepseek_v4_config import DeepseekV4Params
 from laneserve.model.deepseek_v4_ops import WeightGetter
 from laneserve.model.layers import Kernels, Linear
-from laneserve.model.moe import grouped_experts
+from laneserve.model.moe import StackedExperts, grouped_experts
 
 _SCORES = {
     "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
@@ -53,6 +53,9 @@ class V4MoE:
             _Expert(kernels, get, f"{prefix}.experts.{e}", limit) for e in range(p.n_routed_experts)
         ]
         self.shared = _Expert(kernels, get, f"{prefix}.shared_experts", limit)
+        self.stacked = StackedExperts.build(
+            kernels, [e.w13 for e in self.experts], [e.w2 for e in self.experts], limit
+        )
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self.score(F.linear(x.float(), self.gate))  # [T, E]
@@ -73,6 +76,8 @@ class V4MoE:
         first_prefill: int | None = None,  # tokens [first_prefill, T) are prompt tokens
     ) -> torch.Tensor:
         weights, chosen = self.route(x, ids)
+        if self.stacked is not None:
+            return self.stacked(x, weights, chosen) + self.shared(x, first_prefill)
 
         def expert(e: int, rows: torch.Tensor, first: int | None) -> torch.Tensor:
             return self.experts[e](rows, first)

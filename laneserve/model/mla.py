@@ -192,14 +192,18 @@ class MlaAttention:
         limit = meta.decode_seq_lens.to(torch.int64).index_select(0, seq) - (
             starts.index_select(0, seq + 1) - tok
         )  # [nd] = its position
+        # table entries past a row's blocks may hold anything: clamped into the cache
         tables = meta.decode_block_tables.to(torch.int64).index_select(0, seq)  # [nd, nb]
+        tables = tables.clamp(0, store.shape[0] - 1)
         keys = store.index_select(0, tables.flatten()).view(nd, -1, p.latent_dim)
         if meta.decode_last_slot is not None:
             _own_last_keys(keys, store, meta.decode_last_slot.index_select(0, seq), limit)
-        keys = keys.to(q_lat.dtype)  # [nd, L, r + rope]
+        visible = torch.arange(keys.shape[1], device=keys.device)[None, :] <= limit[:, None]
+        # NOTE: entries past a row's length are zeroed: the cache is allocated
+        # uninitialised, and a masked NaN would still reach the output as 0 x NaN
+        keys = keys.to(q_lat.dtype).masked_fill(~visible[:, :, None], 0)  # [nd, L, r + rope]
         c, k_pe = keys[..., : p.kv_lora_rank], keys[..., p.kv_lora_rank :]
         scores = torch.bmm(q_lat, c.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2))
-        visible = torch.arange(keys.shape[1], device=keys.device)[None, :] <= limit[:, None]
         scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)  # [nd, H, L]
         return torch.bmm(probs, c)  # [nd, H, r]

@@ -7,21 +7,33 @@ among them; weights are the unbiased scores (renormalised with
 `norm_topk_prob`), times `routed_scaling_factor`. `greedy` /
 `group_limited_greedy` (V2): softmax scores, groups scored by their maximum.
 
-Experts run as grouped work: the (token, expert) pairs are sorted by expert
-(on the host, where the slice sizes are needed), each expert multiplies its
-contiguous slice, and the weighted results are summed back per token in expert
-order (the order transformers adds them in).
+Experts run as grouped work: the (token, expert) pairs are sorted by expert, each
+expert multiplies its contiguous slice, and the weighted results are summed back per
+token in expert order (the order transformers adds them in). Two ways to group:
+
+ on the host    `grouped_experts`: the ids are read to the host, which slices per
+                expert and calls each expert's linears (the CPU kernels' path: their
+                packed weights, decode and prompt rows split per expert).
+ on the device  `StackedExperts`: every expert's weights in two stacked tensors, the
+                sort, counts and slice offsets computed by torch ops, one grouped
+                matmul per projection (torch kernels: CUDA, and the CPU fallback). No
+                host read, so a CUDA graph can capture it.
 """
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
+from laneserve.kernels.reference import LAYOUT_TORCH
 from laneserve.model.arch import DeepseekParams
 from laneserve.model.layers import GatedMLP, Kernels, Linear
+
+log = logging.getLogger(__name__)
 
 WeightGetter = Callable[..., torch.Tensor]  # (name[, dtype]) -> tensor
 
@@ -85,6 +97,7 @@ class MoE:
             for i in range(p.n_routed_experts)
         ]
         self.kernels = kernels
+        self.stacked = StackedExperts.build(kernels, self.w13, self.w2)
         self.shared = None
         if p.n_shared_experts:
             s = f"{prefix}.shared_experts"
@@ -100,6 +113,9 @@ class MoE:
         return out
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.stacked is not None:
+            return self.stacked(x, weights, ids)
+
         def expert(e: int, xs: torch.Tensor, _: int | None) -> torch.Tensor:
             return self.w2[e](self.kernels.silu_and_mul(self.w13[e](xs)))
 
@@ -165,3 +181,79 @@ def _group_by_expert(
         else:
             counts.append((e, 1))
     return order, counts, [pos for row in per_token for pos in row]
+
+
+class StackedExperts:
+    """Routed experts grouped on the device: w13 [E, 2I, H] (gate rows, then up) and
+    w2 [E, H, I], each expert's rows multiplied by one `torch._grouped_mm` per projection
+    over slice offsets computed on the device. The same per-expert products and the same
+    summation order as `grouped_experts` (bit-identical in fp32 on CPU)."""
+
+    def __init__(
+        self, kernels: Kernels, w13: torch.Tensor, w2: torch.Tensor, limit: float | None = None
+    ) -> None:
+        self.kernels, self.w13, self.w2, self.limit = kernels, w13, w2, limit
+
+    @classmethod
+    def build(
+        cls,
+        kernels: Kernels,
+        w13: Sequence[Linear],
+        w2: Sequence[Linear],
+        limit: float | None = None,
+    ) -> StackedExperts | None:
+        """Stacked from the experts' dense linears, for the torch kernels; None (group on
+        the host) for the CPU kernels, quantized experts, or where the device's grouped
+        matmul refuses these shapes and dtype (checked once, on one row)."""
+        if kernels.name != "torch" or any(w.weight.layout != LAYOUT_TORCH for w in (*w13, *w2)):
+            return None
+        stacked = cls(kernels, _stack(w13), _stack(w2), limit)
+        try:
+            stacked.probe()
+        except RuntimeError as e:
+            log.info("experts grouped on the host (the grouped matmul refused: %s)", e)
+            return None
+        return stacked
+
+    def probe(self) -> None:
+        """One token through expert 0 (raises where `_grouped_mm` does not run)."""
+        x = torch.zeros((1, self.w13.shape[2]), dtype=self.w13.dtype, device=self.w13.device)
+        ids = torch.zeros((1, 1), dtype=torch.int64, device=x.device)
+        self(x, torch.ones((1, 1), device=x.device), ids)
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, k] routing weights (fp32)
+        ids: torch.Tensor,  # [T, k] chosen experts
+    ) -> torch.Tensor:  # [T, H]
+        t, k = ids.shape
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # pairs by expert, token order within one
+        offsets = _expert_offsets(flat, self.w13.shape[0])
+        xs = x.index_select(0, order // k).to(self.w13.dtype)
+        h = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offsets)
+        act = self.kernels.silu_and_mul(h, self.limit)
+        y = torch._grouped_mm(act, self.w2.transpose(1, 2), offs=offsets).to(x.dtype)
+        y = y * weights.flatten().index_select(0, order)[:, None].to(x.dtype)
+        # each token's k rows in the sorted order, ascending: its experts in expert order
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=x.device))
+        by_token = rank.view(t, k).sort(dim=1).values.flatten()
+        return y.index_select(0, by_token).view(t, k, -1).sum(dim=1)
+
+
+def _stack(linears: Sequence[Linear]) -> torch.Tensor:
+    """[E, N, K]: the linears' weights stacked; each linear then holds a view of its slice
+    (one copy of the weights in memory, the host path still usable)."""
+    stacked = torch.stack([w.weight.data for w in linears])
+    for w, data in zip(linears, stacked, strict=True):
+        w.weight = replace(w.weight, data=data)
+    return stacked
+
+
+def _expert_offsets(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    """[E] int32: the end of each expert's slice in the expert-sorted pairs (fixed shape:
+    a scatter-add count, not bincount, whose output size depends on the values)."""
+    ones = torch.ones_like(flat, dtype=torch.int32)
+    counts = torch.zeros(experts, dtype=torch.int32, device=flat.device)
+    return counts.scatter_add_(0, flat, ones).cumsum(0, dtype=torch.int32)

@@ -35,7 +35,7 @@ import torch
 
 from laneserve.kernels.torch_attention import GATHERED_MAX_QUERIES_PER_SEQ
 from laneserve.model.attention import AttentionMetadata
-from laneserve.model.llama import LlamaModel
+from laneserve.model.layers import DecoderStack
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ class _Captured:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaModel,
-        caches: list[tuple[torch.Tensor, ...]],  # the target's layers (group 0): (K, V)
+        model: DecoderStack,  # Llama family, DeepSeek V2 / V3
+        caches: list[tuple[torch.Tensor, ...]],  # the target's layers (group 0)
         block_size: int,
         scratch_block: int,  # the main group's padding block
         max_rows: int,

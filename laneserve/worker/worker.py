@@ -28,7 +28,7 @@ from laneserve.config import EngineConfig
 from laneserve.core.engine_core import read_lookahead
 from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.kernels import get_kernels
-from laneserve.model.llama import LlamaModel
+from laneserve.model.layers import DecoderStack
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
 from laneserve.model.registry import dtype_bytes, family_for
 from laneserve.obs.profiling import Tracer
@@ -140,11 +140,12 @@ class Worker:
         )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs of decode steps (Llama-family targets on CUDA, unless enforce_eager)."""
+        """CUDA graphs of decode steps (on CUDA, unless enforce_eager): Llama-family and
+        DeepSeek V2 / V3 targets (a V4 forward reads every cache group: not graphed)."""
         if (
             self.device.type != "cuda"
             or self.config.model.enforce_eager
-            or not isinstance(self.model, LlamaModel)
+            or not isinstance(self.model, DecoderStack)
         ):
             return None
         return DecodeGraphs(

@@ -19,7 +19,13 @@ from laneserve.worker.clients import InlineClient
 from laneserve.worker.cuda_graphs import Bucket, DecodeGraphs, capture_sizes
 from laneserve.worker.worker import Worker
 from tests.host_reads import no_host_reads
-from tests.tiny_models import build_bigram_model, build_exact_mtp_head, hf_greedy
+from tests.tiny_models import (
+    build_bigram_model,
+    build_exact_deepseek_mtp,
+    build_exact_mtp_head,
+    build_tiny_deepseek,
+    hf_greedy,
+)
 
 
 def test_capture_sizes_and_buckets() -> None:
@@ -135,6 +141,31 @@ def test_padded_buckets_give_the_plain_tokens(
     assert any(b.rows * b.qlen > 1 for b in graphs.buckets)
 
 
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_deepseek(tmp_path_factory.mktemp("deepseek") / "v3", 3, seed=1)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-kernels"])
+def test_deepseek_padded_buckets_give_the_plain_tokens(
+    deepseek: Path, kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSeek V3 (MLA latent cache, routed experts) through padded buckets: HF's greedy
+    tokens; with torch kernels (CUDA's ops: experts grouped on the device, MLA decode in
+    torch ops) no host read anywhere in the padded forward. The cache starts as NaN (it
+    is allocated uninitialised): nothing past a row's length may reach the output."""
+    work = _work(6)
+    eng = _engine(deepseek, kernels, None)
+    graphs = _attach(eng, None if kernels else monkeypatch)
+    for layer in eng.client.worker.kv.layers[0]:
+        for t in layer:
+            t.fill_(float("nan"))
+    got = _run(eng, work)
+    eng.shutdown()
+    assert got == [hf_greedy(deepseek, p, n) for _, p, n in work]
+    assert graphs.replays > 20 and len({b.rows for b in graphs.buckets}) >= 3
+
+
 def _speculative_through_buckets(
     model: Path, work: list[tuple[int, list[int], int]], spec: dict, async_on: bool
 ) -> dict:
@@ -171,6 +202,14 @@ def test_padded_buckets_under_mtp(tmp_path: Path) -> None:
     head = build_exact_mtp_head(model, tmp_path / "half.safetensors", list(range(0, 320, 2)))
     spec = {"method": "mtp", "draft_weights": str(head)}
     stats = _speculative_through_buckets(model, _work(4), spec, async_on=True)
+    assert stats["spec_num_drafts"] > stats["spec_num_accepted"] > 0
+
+
+def test_deepseek_padded_buckets_under_its_mtp(tmp_path: Path) -> None:
+    """DeepSeek's own MTP layer (k = 2, async): verify steps replay q = 3 buckets, the MTP
+    layer drafts from the bucket's hidden states; the plain engine's tokens."""
+    model = build_exact_deepseek_mtp(tmp_path / "exact", keep_attention=True)
+    stats = _speculative_through_buckets(model, _work(7), {"method": "mtp"}, async_on=True)
     assert stats["spec_num_drafts"] > stats["spec_num_accepted"] > 0
 
 
