@@ -34,6 +34,7 @@ from laneserve.spec_decode.proposers import MtpProposer
 from laneserve.structured.matchers import GrammarBook, MaskRow
 from laneserve.worker import prompt_logprobs, side_rows, step_outputs
 from laneserve.worker.cuda_graphs import DecodeGraphs
+from laneserve.worker.cuda_graphs_v4 import V4DecodeGraphs
 from laneserve.worker.input_batch import SlotTable
 from laneserve.worker.kv_cache import KvCache
 from laneserve.worker.side_rows import KvStack, SideStep
@@ -99,7 +100,7 @@ class ModelRunner:
         proposer: Proposer | None = None,
         side_width: int = 0,  # alternatives per speculative row (token tree)
         grammars: GrammarBook | None = None,  # structured output's matchers
-        graphs: DecodeGraphs | None = None,  # CUDA graphs of decode steps
+        graphs: DecodeGraphs | V4DecodeGraphs | None = None,  # CUDA graphs of decode steps
     ) -> None:
         self.model = model
         self.kv_caches = kv.layers  # per group, per layer: (K, V) or (latent,)
@@ -237,33 +238,48 @@ class ModelRunner:
     ) -> _Forward:
         """The target's forward over the step's tokens, and its side rows if any."""
         if inp.spec.side is None:
-            if isinstance(self.model, DeepseekV4Model):  # it reads every cache group
-                grouped = self._all_groups(inp)
-                hidden, streams = self.model.forward(ids, positions, grouped, self.kv_caches)
-                return _Forward(hidden, draft_hidden=streams)
-            graphed = self._graphed(inp, ids, positions, meta)
-            if graphed is not None:
-                return _Forward(graphed)
-            hidden, _ = self.model.forward(ids, positions, meta, self.kv_caches[0])
-            return _Forward(hidden)
+            v4 = isinstance(self.model, DeepseekV4Model)  # it reads every cache group
+            step = self._all_groups(inp) if v4 else meta
+            out = self._graphed(inp, ids, positions, step) or self._eager(ids, positions, step)
+            return _Forward(out[0], draft_hidden=out[1] if v4 else None)
         assert not isinstance(self.model, DeepseekV4Model), "V4 takes no token-tree rows"
         side, ids_all, pos_all, meta_all = side_rows.plan(
             inp.spec.side, self.state.side_drafts, ids, positions, meta
         )
-        out, _ = self.model.forward(ids_all, pos_all, meta_all, self.kv_caches[0])
-        hidden, side_hidden = side_rows.split(out, side)
+        everything, _ = self.model.forward(ids_all, pos_all, meta_all, self.kv_caches[0])
+        hidden, side_hidden = side_rows.split(everything, side)
         return _Forward(hidden, side, side_hidden)
 
+    def _eager(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | V4StepMetadata
+    ) -> tuple[torch.Tensor, ...]:
+        """The target's forward, unrecorded: hidden states (and V4's residual streams)."""
+        if isinstance(self.model, DeepseekV4Model):
+            assert isinstance(meta, V4StepMetadata)
+            return self.model.forward(ids, positions, meta, self.kv_caches)
+        assert isinstance(meta, AttentionMetadata)
+        return self.model.forward(ids, positions, meta, self.kv_caches[0])
+
     def _graphed(
-        self, inp: StepInputs, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor | None:
-        """The hidden states from a decode graph, when the step has that shape (None: not)."""
+        self,
+        inp: StepInputs,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata | V4StepMetadata,
+    ) -> tuple[torch.Tensor, ...] | None:
+        """The forward's outputs from a decode graph, when the step has that shape (None:
+        not): the hidden states, and a V4 target's residual streams."""
         if self.graphs is None or self.capture is not None or inp.prefills:
             return None
         qlens = {1 + r.num_spec for r in inp.rows}  # decode rows: the token and its drafts
         if len(qlens) != 1:
             return None
-        return self.graphs.run(ids, positions, meta, qlens.pop())
+        if isinstance(self.graphs, V4DecodeGraphs):
+            assert isinstance(meta, V4StepMetadata)
+            return self.graphs.run(ids, positions, meta, qlens.pop())
+        assert isinstance(meta, AttentionMetadata)
+        hidden = self.graphs.run(ids, positions, meta, qlens.pop())
+        return None if hidden is None else (hidden,)
 
     def _all_groups(self, inp: StepInputs) -> V4StepMetadata:
         """Every cache group's table per token (a model that reads all its groups)."""

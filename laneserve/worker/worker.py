@@ -28,6 +28,7 @@ from laneserve.config import EngineConfig
 from laneserve.core.engine_core import read_lookahead
 from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.kernels import get_kernels
+from laneserve.model.deepseek_v4 import DeepseekV4Model
 from laneserve.model.layers import DecoderStack
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
 from laneserve.model.registry import dtype_bytes, family_for
@@ -41,6 +42,7 @@ from laneserve.protocol import (
 from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
 from laneserve.structured.matchers import GrammarBook
 from laneserve.worker.cuda_graphs import DecodeGraphs
+from laneserve.worker.cuda_graphs_v4 import V4DecodeGraphs
 from laneserve.worker.failures import StepFailure, failed_result, handles_of, salvage
 from laneserve.worker.input_batch import InputSlot, RequestTable
 from laneserve.worker.kv_cache import KvCache, StepBounds, num_blocks_for
@@ -139,22 +141,38 @@ class Worker:
             graphs=self._decode_graphs(),
         )
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs of decode steps (on CUDA, unless enforce_eager): Llama-family and
-        DeepSeek V2 / V3 targets (a V4 forward reads every cache group: not graphed)."""
-        if (
-            self.device.type != "cuda"
-            or self.config.model.enforce_eager
-            or not isinstance(self.model, DecoderStack)
-        ):
+    def _decode_graphs(self) -> DecodeGraphs | V4DecodeGraphs | None:
+        """CUDA graphs of decode steps (on CUDA, unless enforce_eager)."""
+        if self.device.type != "cuda" or self.config.model.enforce_eager:
+            return None
+        return self.decode_graphs()
+
+    def decode_graphs(self, capture: bool = True) -> DecodeGraphs | V4DecodeGraphs | None:
+        """The target's decode-step buckets (None: a model they do not cover);
+        `capture=False` runs each bucket's padded forward eagerly (the CPU tests)."""
+        max_rows = self.config.scheduler.max_num_seqs
+        columns = tuple(-(-self.max_positions // g.block_size) + self.pad_cols for g in self.groups)
+        if isinstance(self.model, DeepseekV4Model):  # it reads every cache group
+            return V4DecodeGraphs(
+                self.model,
+                self.kv.layers,
+                self.block_size,
+                tuple(self.num_blocks),  # per group: the scratch block
+                max_rows,
+                columns,
+                self.max_positions,
+                capture,
+            )
+        if not isinstance(self.model, DecoderStack):
             return None
         return DecodeGraphs(
             self.model,
             self.kv.layers[0],
             self.block_size,
             self.num_blocks[0],  # the main group's scratch block
-            self.config.scheduler.max_num_seqs,
-            -(-self.max_positions // self.block_size) + self.pad_cols,
+            max_rows,
+            columns[0],
+            capture,
         )
 
     def _inputs(self) -> tuple[list[InputSlot], InputLayout]:

@@ -5,6 +5,7 @@ a CUDA graph replays. The capture itself is checked by the `cuda`-marked test.""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +17,16 @@ from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
 from laneserve.sampling_params import SamplingParams
 from laneserve.worker.clients import InlineClient
-from laneserve.worker.cuda_graphs import Bucket, DecodeGraphs, capture_sizes
+from laneserve.worker.cuda_graphs import Bucket, Captured, GraphBuckets, capture_sizes
+from laneserve.worker.cuda_graphs_v4 import V4DecodeGraphs
 from laneserve.worker.worker import Worker
 from tests.host_reads import no_host_reads
+from tests.models.test_deepseek_v4 import _reference as v4_reference
+from tests.models.tiny_deepseek_v4 import (
+    add_v4_mtp_layer,
+    build_tiny_deepseek_v4,
+    to_release_layout,
+)
 from tests.tiny_models import (
     build_bigram_model,
     build_exact_deepseek_mtp,
@@ -32,25 +40,30 @@ def test_capture_sizes_and_buckets() -> None:
     assert capture_sizes(1) == [1]
     assert capture_sizes(8) == [1, 2, 4, 8]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
-    graphs = DecodeGraphs.__new__(DecodeGraphs)
-    graphs.sizes, graphs.max_columns, graphs.max_qlen = capture_sizes(20), 40, 8
-    assert graphs.bucket(3, 1, 5) == Bucket(4, 1, 8)
-    assert graphs.bucket(17, 3, 33) == Bucket(20, 3, 40)  # capped at the longest request
-    assert graphs.bucket(20, 1, 1) == Bucket(20, 1, 1)
-    assert graphs.bucket(21, 1, 4) is None  # more rows than any capture
-    assert graphs.bucket(4, 1, 41) is None
-    assert graphs.bucket(4, 8, 4) == Bucket(4, 8, 4)
-    assert graphs.bucket(4, 9, 4) is None  # beyond the attention's gathered path
+    graphs = GraphBuckets(torch.device("cpu"), 16, 20, (40,), capture=False)
+    assert graphs.bucket(3, 1, (5,)) == Bucket(4, 1, (8,))
+    assert graphs.bucket(17, 3, (33,)) == Bucket(20, 3, (40,))  # capped at the longest request
+    assert graphs.bucket(20, 1, (1,)) == Bucket(20, 1, (1,))
+    assert graphs.bucket(21, 1, (4,)) is None  # more rows than any capture
+    assert graphs.bucket(4, 1, (41,)) is None
+    assert graphs.bucket(4, 8, (4,)) == Bucket(4, 8, (4,))
+    assert graphs.bucket(4, 9, (4,)) is None  # beyond the attention's gathered path
+    assert graphs.bucket(4, 1, (4,), max_len=37) == Bucket(4, 1, (4,))  # no bound kept
+    v4 = GraphBuckets(torch.device("cpu"), 16, 8, (40, 10, 5), capture=False, max_len_cap=100)
+    assert v4.bucket(3, 1, (5, 2, 1), max_len=37) == Bucket(4, 1, (8, 2, 1), 64)
+    assert v4.bucket(3, 1, (33, 9, 5), max_len=99) == Bucket(4, 1, (40, 10, 5), 100)
+    assert v4.bucket(3, 1, (5, 11, 1), max_len=37) is None  # one group too wide
 
 
-class _Guarded(DecodeGraphs):
-    """Every padded forward under the host-read guard."""
+def _guard(graphs: GraphBuckets, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every padded forward of these buckets under the host-read guard."""
+    forward = graphs._forward
 
-    monkeypatch: pytest.MonkeyPatch
+    def guarded(cap: Captured) -> tuple[torch.Tensor, ...]:
+        with no_host_reads(monkeypatch):
+            return forward(cap)
 
-    def _forward(self, cap):  # type: ignore[no-untyped-def]
-        with no_host_reads(self.monkeypatch):
-            return super()._forward(cap)
+    monkeypatch.setattr(graphs, "_forward", guarded)
 
 
 def _engine(
@@ -72,20 +85,14 @@ def _engine(
     return LLMEngine(config, client=InlineClient(config, Worker(config)))
 
 
-def _attach(eng: LLMEngine, monkeypatch: pytest.MonkeyPatch | None) -> DecodeGraphs:
+def _attach(eng: LLMEngine, monkeypatch: pytest.MonkeyPatch | None) -> GraphBuckets:
+    """The worker's decode-step buckets, run eagerly; guarded against host reads when a
+    monkeypatch is given."""
     worker = eng.client.worker
-    cls = DecodeGraphs
+    graphs = worker.decode_graphs(capture=False)
+    assert graphs is not None
     if monkeypatch is not None:
-        cls, _Guarded.monkeypatch = _Guarded, monkeypatch
-    graphs = cls(
-        worker.model,
-        worker.kv.layers[0],
-        worker.block_size,
-        worker.num_blocks[0],
-        8,
-        -(-worker.max_positions // worker.block_size) + worker.pad_cols,
-        capture=False,
-    )
+        _guard(graphs, monkeypatch)
     worker.runner.graphs = graphs
     return graphs
 
@@ -211,6 +218,76 @@ def test_deepseek_padded_buckets_under_its_mtp(tmp_path: Path) -> None:
     model = build_exact_deepseek_mtp(tmp_path / "exact", keep_attention=True)
     stats = _speculative_through_buckets(model, _work(7), {"method": "mtp"}, async_on=True)
     assert stats["spec_num_drafts"] > stats["spec_num_accepted"] > 0
+
+
+@pytest.fixture(scope="module")
+def deepseek_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_deepseek_v4(tmp_path_factory.mktemp("deepseek_v4") / "v4", seed=0)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-kernels"])
+def test_deepseek_v4_padded_buckets_give_the_plain_tokens(
+    deepseek_v4: Path, kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSeek V4 (every cache group read through per-token tables; compressed keys
+    sized by the bucket's rounded max_len) through padded buckets: HF's greedy tokens;
+    with torch kernels no host read anywhere in the padded forward. Every group's cache
+    starts as NaN: nothing past a row's length may reach the output."""
+    work = _work(8)
+    eng = _engine(deepseek_v4, kernels, None)
+    graphs = _attach(eng, None if kernels else monkeypatch)
+    assert isinstance(graphs, V4DecodeGraphs)
+    for group in eng.client.worker.kv.layers:
+        for layer in group:
+            for t in layer:
+                t.fill_(float("nan"))
+    got = _run(eng, work)
+    eng.shutdown()
+    for (_, prompt, n), tokens in zip(work, got, strict=True):
+        assert tokens == list(v4_reference(str(deepseek_v4), tuple(prompt), n))
+    buckets = graphs.buckets
+    assert graphs.replays > 20 and len({b.rows for b in buckets}) >= 3
+    bounds = {b.max_len for b in buckets}  # powers of two, several of them
+    assert len(bounds) >= 2 and all(m & (m - 1) == 0 for m in bounds)
+    assert all(len(b.columns) == len(eng.client.worker.groups) for b in buckets)
+
+
+def test_deepseek_v4_padded_buckets_under_its_mtp(deepseek_v4: Path, tmp_path: Path) -> None:
+    """V4's own MTP layer (k = 2, async) drafts from the residual streams a bucket
+    returns: verify steps replay q = 3 buckets whose hidden states and streams equal the
+    unpadded forward's with the same rounded length bound (to fp32 rounding: V4's
+    attention einsums are torch matmuls over the padded rows), and the tokens are the
+    plain engine's."""
+    model = add_v4_mtp_layer(to_release_layout(deepseek_v4, tmp_path / "release"), seed=7)
+    work = _work(9)
+    plain = _engine(model, True, None)
+    want = _run(plain, work)
+    plain.shutdown()
+    eng = _engine(model, True, {"method": "mtp", "num_speculative_tokens": 2}, async_on=True)
+    graphs = _attach(eng, None)
+    assert isinstance(graphs, V4DecodeGraphs)
+    replay, same = graphs.run, []
+
+    def compared(ids, positions, meta, qlen):  # type: ignore[no-untyped-def]
+        out = replay(ids, positions, meta, qlen)
+        if out is not None:  # the same step unpadded, with the bucket's length bound
+            cols = tuple(t.shape[1] for t in meta.tables)
+            key = graphs.bucket(ids.shape[0] // qlen, qlen, cols, meta.max_len)
+            bound = dataclasses.replace(meta, max_len=key.max_len)
+            eager = graphs.model.forward(ids, positions, bound, graphs.caches)  # same writes
+            close = [
+                torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(out, eager, strict=True)
+            ]
+            same.append((qlen, all(close)))
+        return out
+
+    graphs.run = compared  # type: ignore[method-assign]
+    got = _run(eng, work)
+    stats = eng.stats()
+    eng.shutdown()
+    assert got == want
+    assert all(equal for _, equal in same) and sum(q == 3 for q, _ in same) > 10
+    assert stats["spec_num_drafts"] > 0
 
 
 @pytest.mark.cuda
