@@ -111,7 +111,8 @@ class GraphBuckets:
     ) -> Bucket | None:
         """The bucket of a qualifying step's shape (None: larger than any captured)."""
         too_wide = any(c > m for c, m in zip(columns, self.max_columns, strict=True))
-        if rows > self.sizes[-1] or too_wide or qlen > self.max_qlen:
+        too_long = self.max_len_cap and max_len > self.max_len_cap
+        if rows > self.sizes[-1] or too_wide or too_long or qlen > self.max_qlen:
             return None
         size = next(s for s in self.sizes if s >= rows)
         cols = tuple(_round_up_pow2(c, m) for c, m in zip(columns, self.max_columns, strict=True))

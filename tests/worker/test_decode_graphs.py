@@ -53,6 +53,7 @@ def test_capture_sizes_and_buckets() -> None:
     assert v4.bucket(3, 1, (5, 2, 1), max_len=37) == Bucket(4, 1, (8, 2, 1), 64)
     assert v4.bucket(3, 1, (33, 9, 5), max_len=99) == Bucket(4, 1, (40, 10, 5), 100)
     assert v4.bucket(3, 1, (5, 11, 1), max_len=37) is None  # one group too wide
+    assert v4.bucket(3, 1, (5, 2, 1), max_len=101) is None  # past the bound's cap
 
 
 def _guard(graphs: GraphBuckets, monkeypatch: pytest.MonkeyPatch) -> None:
