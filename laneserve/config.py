@@ -239,6 +239,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     restart_on_failure: bool = True
     profile_dir: str | None = None
     num_threads: int | None = None  # torch intra-op threads in the worker
+    lane_times: bool = False  # each StepResult carries its lanes' spans (the dashboard)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -78,10 +78,21 @@ class RequestError(msgspec.Struct, **_STRUCT):
     message: str
 
 
+class LaneTimes(msgspec.Struct, **_STRUCT):
+    """When a step ran on each worker lane: start / end, `time.perf_counter_ns()` of the
+    worker process (a monotonic clock, so the engine and worker clocks agree). Sent only
+    when the worker was asked to record it (`WorkerConfig.lane_times`)."""
+
+    prepare: tuple[int, int]
+    device: tuple[int, int]
+    output: tuple[int, int]
+
+
 class StepResult(msgspec.Struct, tag=True, **_STRUCT):
     step_id: int
     outputs: list[RequestOutput] = []
     errors: list[RequestError] = []
+    lane_times: LaneTimes | None = None
 
 
 class CacheGroupInfo(msgspec.Struct, **_STRUCT):

@@ -14,6 +14,7 @@ from laneserve.config import EngineConfig
 from laneserve.core.kv_cache_manager import KVCacheManager
 from laneserve.core.request import Request, RequestStatus
 from laneserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from laneserve.obs.lane_times import LaneLog
 from laneserve.obs.profiling import Tracer
 from laneserve.protocol import StepCommand, StepResult, WorkerReady
 from laneserve.sampling_params import SamplingParams
@@ -63,6 +64,7 @@ class EngineCore:
         self.depth = 2 if config.scheduler.async_scheduling else 1
         self.healthy = True
         self.num_worker_restarts = 0
+        self.lane_log = LaneLog()  # the last steps' lane spans, when the worker sends them
         self._restart_pending = False
         self._handles = itertools.count(1)
         self._build(client.ready, stats=None)
@@ -170,6 +172,8 @@ class EngineCore:
             if self.scheduler.num_in_flight == 0:
                 return []
             result = self.client.get_result()
+            if result.lane_times is not None:
+                self.lane_log.add(result.step_id, result.lane_times)
             with self.tracer.span("update", "engine", step=result.step_id):
                 return self.scheduler.update_from_output(result)
         except WorkerDiedError as e:

@@ -13,11 +13,15 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
 from laneserve.engine_args import EngineArgs
+from laneserve.entrypoints import dashboard_flags
 from laneserve.tool_calls.parsers import PARSERS
 
 if TYPE_CHECKING:
@@ -99,6 +103,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the format the model writes tool calls in (with --enable-auto-tool-choice)",
     )
+    dashboard_flags.add_cli_args(p)
     EngineArgs.add_cli_args(p, default_worker_mode="process")
     p.set_defaults(func=run)
 
@@ -139,6 +144,15 @@ def run(ns: argparse.Namespace) -> int:
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         print("error: --enable-auto-tool-choice needs --tool-call-parser")
         return 2
+    try:
+        dash_opts = dashboard_flags.DashboardOptions.from_cli(ns) if ns.dashboard else None
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    if dash_opts is not None:  # the worker sends each step's lane spans for the timeline
+        config = msgspec.structs.replace(
+            config, worker=msgspec.structs.replace(config.worker, lane_times=True)
+        )
     llm = AsyncLLM(config, on_step=None)
     state = ServerState(
         llm,
@@ -155,9 +169,19 @@ def run(ns: argparse.Namespace) -> int:
     llm.on_step = lambda engine, deltas: state.metrics.refresh(engine)
     llm.on_abort = lambda dropped: record_aborted(state, dropped)
     app = build_app(state)
+    dash = None
+    if dash_opts is not None:
+        from laneserve.entrypoints.dashboard import Dashboard, DashboardRouter
+
+        try:
+            flags = dashboard_flags.server_flags(ns)
+            dash = Dashboard(state, dash_opts, flags, f"{ns.host}:{ns.port}")
+        except (OSError, sqlite3.Error) as e:
+            print(f"error: the dashboard history {dash_opts.history}: {e}")
+            return 2
     server = _draining_server(
         uvicorn.Config(
-            app,
+            app if dash is None else DashboardRouter(app, dash.app()),
             host=ns.host,
             port=ns.port,
             log_level=ns.uvicorn_log_level,
@@ -173,10 +197,14 @@ def run(ns: argparse.Namespace) -> int:
     async def lifespan(_app):
         llm.start()
         watcher = asyncio.create_task(_announce(llm, server, state, ns, failed))
+        if dash is not None:
+            dash.start()
         try:
             yield
         finally:
             watcher.cancel()
+            if dash is not None:
+                await dash.stop()
             log.info("shutting down: aborting in-flight requests, stopping the worker")
             await asyncio.to_thread(llm.shutdown)
 

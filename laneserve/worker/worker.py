@@ -32,6 +32,7 @@ from laneserve.model.deepseek_v4 import DeepseekV4Model
 from laneserve.model.layers import DecoderStack
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
 from laneserve.model.registry import dtype_bytes, family_for
+from laneserve.obs.lane_times import LaneClock
 from laneserve.obs.profiling import Tracer
 from laneserve.protocol import (
     CacheGroupInfo,
@@ -67,6 +68,7 @@ class Worker:
         start = time.perf_counter()
         self.config = config
         self.tracer = Tracer(config.worker.profile_dir, role="worker")
+        self.lane_clock = LaneClock(config.worker.lane_times)
         if config.worker.num_threads:
             torch.set_num_threads(config.worker.num_threads)
         self.device = resolve_device(config.model.device)
@@ -323,7 +325,7 @@ class Worker:
 
     def _build_inputs(self, pending: PendingStep, slot: InputSlot) -> StepInputs:
         cmd = pending.cmd
-        with self.tracer.span("prepare", step=cmd.step_id):
+        with self.lane_clock.span(self.tracer, "prepare", "prepare", cmd.step_id):
             # NOTE: first, so a failure below still releases them (device lane).
             pending.releases = self.table.pop_finished(cmd.finished)
             self.grammars.drop(cmd.finished)
@@ -365,20 +367,24 @@ class Worker:
             end = time.perf_counter_ns()
             args = {"step": inp.step_id, "decode": not inp.prefills}
             self.tracer.add("device", "device", start, end, args)
+            self.lane_clock.mark(inp.step_id, "device", start, end)
 
     def reclaim(self, staged: DeviceOutputs | StepFailure) -> StepResult:
         """The step's result: its tokens (device->host copy), or its errors."""
         try:
-            return self._reclaim(staged)
+            result = self._reclaim(staged)
         finally:
             self.grammars.fence.reclaimed()
+        if self.lane_clock.enabled:
+            result.lane_times = self.lane_clock.take(result.step_id)
+        return result
 
     def _reclaim(self, staged: DeviceOutputs | StepFailure) -> StepResult:
         if isinstance(staged, StepFailure):
             return failed_result(staged)
         step_id = staged.inputs.step_id
         try:
-            with self.tracer.span("reclaim", step=step_id):
+            with self.lane_clock.span(self.tracer, "reclaim", "output", step_id):
                 result = self.runner.reclaim(staged)
                 self.grammars.commit(result.outputs)  # NOTE: before the fence opens
                 return result

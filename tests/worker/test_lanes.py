@@ -21,6 +21,7 @@ import msgspec
 import pytest
 
 from laneserve import protocol
+from laneserve.obs.lane_times import LaneClock
 from laneserve.obs.profiling import Tracer
 from laneserve.protocol import (
     NewRequest,
@@ -130,6 +131,7 @@ class FakeWorker(Worker):
 
     def __init__(self, async_prepare: bool = True, fail_execute: frozenset[int] = frozenset()):
         self.tracer = Tracer(None)
+        self.lane_clock = LaneClock(False)
         self.grammars = GrammarBook(Path("unused"), 8, [0])  # no structured requests here
         self.input_slots = [InputSlot(i, 8, 8) for i in range(2)]
         self.supports_async_prepare = async_prepare
