@@ -144,7 +144,7 @@ class Dashboard:
     async def history(self, request: Request) -> Response:
         since = _number(request, "since", time.time() - 3600)
         until = _number(request, "until", None)
-        limit = _number(request, "limit", 1000)
+        limit = float(_number(request, "limit", 1000))
         if not (limit.is_integer() and 1 <= limit <= MAX_PAGE):
             raise _BadParam(f"limit must be in [1, {MAX_PAGE}], got {limit}")
         points, nxt = await asyncio.to_thread(self.store.page, since, int(limit), until)
