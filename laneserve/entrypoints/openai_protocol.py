@@ -256,7 +256,21 @@ class ChatMessage(BaseModel):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        reasoning = self.reasoning_text()
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
         return out
+
+    def reasoning_text(self) -> str | None:
+        """An earlier assistant turn's thinking (vLLM's `reasoning_content`, or
+        `reasoning`), for chat formats that replay it."""
+        extra = self.model_extra or {}
+        value = extra.get("reasoning_content", extra.get("reasoning"))
+        if value is None:
+            return None
+        if self.role != "assistant" or not isinstance(value, str):
+            raise ValueError("reasoning_content is a string on assistant messages only")
+        return value
 
     def text(self) -> str:
         """The content as one string; ValueError for non-text or invalid parts."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from laneserve.chat_formats import resolve_chat_format
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import EngineCore, WorkerClient
 from laneserve.core.request import Request
@@ -36,6 +37,15 @@ def make_client(config: EngineConfig, tracer: Tracer) -> WorkerClient:
     return LaneClient(config) if config.scheduler.async_scheduling else InlineClient(config)
 
 
+def _architectures(model_dir: Path) -> list[str]:
+    """config.json's `architectures` (empty where there is none)."""
+    try:
+        archs = json.loads((model_dir / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError):
+        return []
+    return [a for a in archs or [] if isinstance(a, str)]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, client: WorkerClient | None = None) -> None:
         self.config = config
@@ -45,7 +55,9 @@ class LLMEngine:
         ready = self.client.ready
         self.model_dir = Path(ready.model_dir)
         self.tokenizer = Tokenizer(
-            config.model.tokenizer or ready.model_dir, config.model.chat_template
+            config.model.tokenizer or ready.model_dir,
+            config.model.chat_template,
+            resolve_chat_format(config.model.tokenizer_mode, _architectures(self.model_dir)),
         )
         self.processor = OutputProcessor(self.tokenizer)
         # defaults for unset sampling fields (--generation-config)
