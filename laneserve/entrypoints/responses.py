@@ -6,11 +6,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from laneserve.entrypoints.chat_parsing import ChoiceParser, delta_of, message_of
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from laneserve.frontend.output_processor import Delta
 from laneserve.outputs import Logprob
+from laneserve.reasoning import ReasoningPlan
 from laneserve.tool_calls.choice import ToolPlan
-from laneserve.tool_calls.stream import CallDelta, delta_body, extract
 
 
 class TokenText(Protocol):
@@ -28,6 +29,7 @@ class Context:
     n: int
     tokenizer: TokenText | None = None  # echoed prompt tokens without a logprob entry
     tools: ToolPlan | None = None  # chat with tools: how tool calls are read back
+    reasoning: ReasoningPlan | None = None  # chat with a reasoning parser: thinking split off
 
     @property
     def object_name(self) -> str:
@@ -58,9 +60,10 @@ class Accumulator:
         self.echo = bool(getattr(ctx.body, "echo", False))
         self.num_logprobs = _requested_logprobs(ctx)
         self.prompt_only = bool(getattr(ctx.body, "prompt_only", False))
-        plan = ctx.tools
-        self.tool_streams = {i: plan.stream() for i in self.choices} if plan else {}
-        self.called: set[int] = set()  # choices that streamed a tool call
+        parsed = ctx.chat and (ctx.tools is not None or ctx.reasoning is not None)
+        self.parsers = (
+            {i: ChoiceParser(ctx.reasoning, ctx.tools) for i in self.choices} if parsed else {}
+        )
 
     def _choice(self, prompt_index: int, d: Delta) -> Choice:
         return self.choices[prompt_index * self.ctx.n + d.state.index]
@@ -100,12 +103,11 @@ class Accumulator:
         if self.ctx.chat:
             message: dict = {"role": "assistant", "content": c.text}
             reason = _reason(c.finish_reason)
+            if self.parsers:
+                parser = ChoiceParser(self.ctx.reasoning, self.ctx.tools)
+                message = message_of(parser.feed(c.text, True), self.ctx.reasoning is not None)
             if self.ctx.tools is not None:
-                found = extract(self.ctx.tools.stream(), c.text)
-                message["content"] = found.content
-                if found.calls:
-                    message["tool_calls"] = found.calls
-                reason = self.ctx.tools.finish_reason(reason, bool(found.calls))
+                reason = self.ctx.tools.finish_reason(reason, "tool_calls" in message)
             return {
                 "index": c.index,
                 "message": message,
@@ -150,8 +152,8 @@ class Accumulator:
             return []
         lp = self._logprobs(list(d.logprobs), c.index) if self.num_logprobs is not None else None
         reason = _reason(c.finish_reason) if d.finished else None
-        if c.index in self.tool_streams:
-            return self._tool_chunks(c.index, d, lp, reason)
+        if c.index in self.parsers:
+            return self._parsed_chunks(c.index, d, lp, reason)
         if self.ctx.chat:
             return [
                 self._chunk(
@@ -160,24 +162,17 @@ class Accumulator:
             ]
         return [self._chunk(c.index, {"text": d.text, "logprobs": lp, "finish_reason": reason})]
 
-    def _tool_chunks(self, index: int, d: Delta, lp: dict | None, reason: str | None) -> list[dict]:
-        """Content and tool-call pieces as the choice's stream reads them; the
-        logprobs ride on the first chunk, the finish reason on the last."""
-        ts = self.tool_streams[index]
-        events = ts.feed(d.text) + (ts.finish() if d.finished else [])
-        deltas: list[dict] = []
-        for e in events:
-            if isinstance(e, CallDelta):
-                self.called.add(index)
-                deltas.append({"tool_calls": [delta_body(e)]})
-            else:
-                deltas.append({"content": e})
+    def _parsed_chunks(
+        self, index: int, d: Delta, lp: dict | None, reason: str | None
+    ) -> list[dict]:
+        """Reasoning, content and tool-call pieces as the choice's parser reads them;
+        the logprobs ride on the first chunk, the finish reason on the last."""
+        parser = self.parsers[index]
+        deltas = [delta_of(e) for e in parser.feed(d.text, d.finished)]
         if not deltas and (d.finished or lp is not None):
             deltas.append({})
-        plan = self.ctx.tools
-        assert plan is not None
-        if reason is not None:
-            reason = plan.finish_reason(reason, index in self.called)
+        if reason is not None and self.ctx.tools is not None:
+            reason = self.ctx.tools.finish_reason(reason, parser.called)
         chunks = []
         for k, delta in enumerate(deltas):
             last = k == len(deltas) - 1
