@@ -76,6 +76,12 @@ class EngineArgs:
         "Jinja template), hf (always the Jinja template), or a format name for fine-tunes",
         choices=TOKENIZER_MODES,
     )
+    skip_tokenizer_init: bool = _from_config(
+        ModelConfig,
+        "skip_tokenizer_init",
+        "load no tokenizer: prompts are token ids, outputs token ids (text stays empty); "
+        "text prompts, chat and stop strings are refused",
+    )
     generation_config: str = _from_config(
         ModelConfig,
         "generation_config",
@@ -199,6 +205,7 @@ class EngineArgs:
                 tokenizer=self.tokenizer,
                 chat_template=self.chat_template,
                 tokenizer_mode=self.tokenizer_mode,
+                skip_tokenizer_init=self.skip_tokenizer_init,
                 generation_config=self.generation_config,
                 dtype=self.dtype,
                 device=self.device,

@@ -69,6 +69,7 @@ class _Common(BaseModel):
     include_stop_str_in_output: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    return_token_ids: StrictBool = False  # vLLM's: the prompt's and the answer's token ids
     user: Text | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI: token ids as strings
     # structured output (laneserve/structured/request_fields.py)

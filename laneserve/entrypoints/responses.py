@@ -45,6 +45,7 @@ class Choice:
     index: int
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
@@ -60,6 +61,8 @@ class Accumulator:
         self.echo = bool(getattr(ctx.body, "echo", False))
         self.num_logprobs = _requested_logprobs(ctx)
         self.prompt_only = bool(getattr(ctx.body, "prompt_only", False))
+        self.token_ids = bool(getattr(ctx.body, "return_token_ids", False))
+        self.ids_sent: set[int] = set()  # streamed choices that had their prompt ids
         parsed = ctx.chat and (ctx.tools is not None or ctx.reasoning is not None)
         self.parsers = (
             {i: ChoiceParser(ctx.reasoning, ctx.tools) for i in self.choices} if parsed else {}
@@ -75,6 +78,7 @@ class Accumulator:
         if not self.prompt_only:  # NOTE: its one step's token is not part of the answer
             c.text += d.text
             c.num_tokens += len(d.token_ids)
+            c.token_ids += d.token_ids
             c.logprobs += d.logprobs
         if d.finished:
             c.finish_reason = "length" if self.prompt_only else d.state.finish_reason
@@ -86,7 +90,7 @@ class Accumulator:
     def response(self) -> dict:
         ctx = self.ctx
         choices = [self._choice_body(c) for c in self.choices.values()]
-        return {
+        out = {
             "id": ctx.request_id,
             "object": ctx.object_name,
             "created": ctx.created,
@@ -94,6 +98,14 @@ class Accumulator:
             "choices": choices,
             "usage": self.usage(),
         }
+        if self.token_ids and ctx.chat:  # NOTE: one prompt per chat request
+            out["prompt_token_ids"] = ctx.prompts[0][0]
+        if self.token_ids:
+            for body, c in zip(choices, self.choices.values(), strict=True):
+                body["token_ids"] = c.token_ids
+                if not ctx.chat:
+                    body["prompt_token_ids"] = ctx.prompts[c.index // ctx.n][0]
+        return out
 
     def _choice_body(self, c: Choice) -> dict:
         entries: list[dict[int, Logprob] | None] = list(c.logprobs)
@@ -148,7 +160,11 @@ class Accumulator:
 
     def stream_chunks(self, prompt_index: int, d: Delta) -> list[dict]:
         c = self.add(prompt_index, d)
-        if not (d.text or d.finished or (self.num_logprobs is not None and d.logprobs)):
+        return self._with_ids(c.index, self._step_chunks(c, d), d)
+
+    def _step_chunks(self, c: Choice, d: Delta) -> list[dict]:
+        if not (d.text or d.finished or (d.token_ids and self.token_ids) or
+                (self.num_logprobs is not None and d.logprobs)):  # fmt: skip
             return []
         lp = self._logprobs(list(d.logprobs), c.index) if self.num_logprobs is not None else None
         reason = _reason(c.finish_reason) if d.finished else None
@@ -169,7 +185,7 @@ class Accumulator:
         the logprobs ride on the first chunk, the finish reason on the last."""
         parser = self.parsers[index]
         deltas = [delta_of(e) for e in parser.feed(d.text, d.finished)]
-        if not deltas and (d.finished or lp is not None):
+        if not deltas and (d.finished or lp is not None or (self.token_ids and d.token_ids)):
             deltas.append({})
         if reason is not None and self.ctx.tools is not None:
             reason = self.ctx.tools.finish_reason(reason, parser.called)
@@ -182,6 +198,18 @@ class Accumulator:
                 "finish_reason": reason if last else None,
             }
             chunks.append(self._chunk(index, body))
+        return chunks
+
+    def _with_ids(self, index: int, chunks: list[dict], d: Delta) -> list[dict]:
+        """return_token_ids: the new token ids ride on a choice's first chunk of the
+        step, the prompt's ids on its first chunk of all."""
+        if not self.token_ids or not chunks:
+            return chunks
+        choice = chunks[0]["choices"][0]
+        choice["token_ids"] = list(d.token_ids)
+        if index not in self.ids_sent:
+            self.ids_sent.add(index)
+            choice["prompt_token_ids"] = self.ctx.prompts[index // self.ctx.n][0]
         return chunks
 
     def _chunk(self, index: int, body: dict) -> dict:
