@@ -71,6 +71,8 @@ class DeepseekV4Params:
             hashed = _non_negative(cfg.get("num_hash_layers", 3), "num_hash_layers")
             mlp_types = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
         _check_quantization(cfg)
+        _check_kinds(layer_types, LAYER_TYPES, "layer_types", n)
+        _check_kinds(mlp_types, ("hash_moe", "moe"), "mlp_layer_types", n)
         factor = cfg.get("partial_rotary_factor")
         if factor is None:
             rope_head_dim = _non_negative(cfg.get("qk_rope_head_dim", 64), "qk_rope_head_dim")
@@ -131,6 +133,14 @@ def _legacy_layer_types(cfg: dict, n: int) -> list[str]:
             "runs DeepSeek V4's MTP layer with sliding-window attention only (ratio 0)"
         )
     return [_LEGACY_RATIOS[r] for r in ratios[:n]]
+
+
+def _check_kinds(kinds: object, known: tuple[str, ...], key: str, n: int) -> None:
+    if not isinstance(kinds, list | tuple) or len(kinds) < n:
+        raise DeepseekV4ConfigError(f"{key} must list one kind per layer ({n}); got {kinds!r}")
+    unknown = sorted({str(k) for k in kinds[:n]} - set(known))
+    if unknown:
+        raise DeepseekV4ConfigError(f"{key} {unknown} are not DeepSeek V4 kinds {list(known)}")
 
 
 def _non_negative(value: object, key: str) -> int:

@@ -144,6 +144,8 @@ def test_release_config_read_as_transformers_reads_it() -> None:
         ({"expert_dtype": "fp2"}, "expert_dtype 'fp2'"),
         ({"quantization_config": {"quant_method": "fp8", "scale_fmt": "e5m2"}}, "scale_fmt"),
         ({"quantization_config": {"quant_method": "awq"}}, "quant_method"),
+        ({"layer_types": ["sliding_attention", "full_attention"] * 2}, "full_attention"),
+        ({"mlp_layer_types": ["dense"] * 4}, "dense"),
     ],
 )
 def test_unknown_release_config_values_are_errors(change: dict, message: str) -> None:
