@@ -181,8 +181,8 @@ def _merge_tool_messages(messages: list[dict]) -> list[dict]:
     for raw in messages:
         msg = copy.deepcopy(raw)
         role = msg.get("role")
-        prev = out[-1] if out else None
-        open_user = prev is not None and prev.get("role") == "user" and "content_blocks" in prev
+        prev: dict = out[-1] if out else {}
+        open_user = prev.get("role") == "user" and "content_blocks" in prev
         if role == "tool":
             block = {"type": "tool_result", "tool_use_id": msg.get("tool_call_id", ""),
                      "content": msg.get("content", "")}  # fmt: skip
