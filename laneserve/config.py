@@ -33,6 +33,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     use_kernels: bool = True  # CPU C++ kernels when they build
     chat_template: str | None = None  # a file, or the template itself (None: the model's)
+    tokenizer_mode: str = "auto"  # chat format: auto (by architecture), hf (Jinja) or a name
+    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts and outputs only
     generation_config: str = "vllm"  # "auto": the model's generation_config.json defaults
     gguf_weights: str = "quantized"  # one of GGUF_WEIGHTS (CPU only; see docs/kernels.md)
     enforce_eager: bool = False  # CUDA: no decode graphs (CPU always runs eagerly)

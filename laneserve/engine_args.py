@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from laneserve.chat_formats import TOKENIZER_MODES
 from laneserve.config import (
     DEVICES,
     DTYPES,
@@ -67,6 +68,19 @@ class EngineArgs:
         ModelConfig,
         "chat_template",
         "chat template: a file or the Jinja text itself (default: the tokenizer's)",
+    )
+    tokenizer_mode: str = _from_config(
+        ModelConfig,
+        "tokenizer_mode",
+        "chat format: auto (DeepSeek V3.2 / V4 get their encoders in code, others their "
+        "Jinja template), hf (always the Jinja template), or a format name for fine-tunes",
+        choices=TOKENIZER_MODES,
+    )
+    skip_tokenizer_init: bool = _from_config(
+        ModelConfig,
+        "skip_tokenizer_init",
+        "load no tokenizer: prompts are token ids, outputs token ids (text stays empty); "
+        "text prompts, chat and stop strings are refused",
     )
     generation_config: str = _from_config(
         ModelConfig,
@@ -190,6 +204,8 @@ class EngineArgs:
                 model=self.model or "",
                 tokenizer=self.tokenizer,
                 chat_template=self.chat_template,
+                tokenizer_mode=self.tokenizer_mode,
+                skip_tokenizer_init=self.skip_tokenizer_init,
                 generation_config=self.generation_config,
                 dtype=self.dtype,
                 device=self.device,

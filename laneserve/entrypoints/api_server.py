@@ -35,6 +35,7 @@ from laneserve.entrypoints.streams import SSEResponse, client_left, close_all, m
 from laneserve.frontend.async_llm import AsyncLLM
 from laneserve.frontend.output_processor import Delta, RequestState
 from laneserve.obs.metrics import RequestTimes, ServerMetrics
+from laneserve.reasoning import ReasoningPlan, reasoning_plan
 from laneserve.sampling_params import SamplingParams
 from laneserve.tool_calls.choice import ToolPlan
 
@@ -54,6 +55,7 @@ class ServerState:
     aliases: list[str] = field(default_factory=list)  # more served names of the model
     trust_request_chat_template: bool = False  # a request may bring its own template
     tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # --reasoning-parser
     metrics: ServerMetrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -130,9 +132,11 @@ def build_app(state: ServerState) -> FastAPI:
         if tools is not None and tools.parser is not None and tools.parser.special_markers:
             # NOTE: the parser reads marker tokens that are special in the vocabulary
             params = msgspec.structs.replace(params, skip_special_tokens=False)
+        reasoning = reasoning_plan(state.reasoning_parser, body.chat_template_kwargs)
         return await _serve(
-            state, request, "chatcmpl", body, prompts, params, chat=True, tools=tools
-        )
+            state, request, "chatcmpl", body, prompts, params, chat=True, tools=tools,
+            reasoning=reasoning,
+        )  # fmt: skip
 
     return app
 
@@ -230,6 +234,7 @@ async def _serve(
     params: SamplingParams,
     chat: bool,
     tools: ToolPlan | None = None,
+    reasoning: ReasoningPlan | None = None,
 ) -> Response:
     engine = _engine(state)
     _check_limits(state, engine, params, len(prompts))
@@ -250,6 +255,7 @@ async def _serve(
         params.n,
         engine.tokenizer,
         tools,
+        reasoning,
     )
     streams = await _admit(state, rid, prompts, params)
     if body.stream:

@@ -69,6 +69,7 @@ class _Common(BaseModel):
     include_stop_str_in_output: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    return_token_ids: StrictBool = False  # vLLM's: the prompt's and the answer's token ids
     user: Text | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI: token ids as strings
     # structured output (laneserve/structured/request_fields.py)
@@ -256,7 +257,21 @@ class ChatMessage(BaseModel):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        reasoning = self.reasoning_text()
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
         return out
+
+    def reasoning_text(self) -> str | None:
+        """An earlier assistant turn's thinking (vLLM's `reasoning_content`, or
+        `reasoning`), for chat formats that replay it."""
+        extra = self.model_extra or {}
+        value = extra.get("reasoning_content", extra.get("reasoning"))
+        if value is None:
+            return None
+        if self.role != "assistant" or not isinstance(value, str):
+            raise ValueError("reasoning_content is a string on assistant messages only")
+        return value
 
     def text(self) -> str:
         """The content as one string; ValueError for non-text or invalid parts."""

@@ -6,11 +6,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from laneserve.entrypoints.chat_parsing import ChoiceParser, delta_of, message_of
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from laneserve.frontend.output_processor import Delta
 from laneserve.outputs import Logprob
+from laneserve.reasoning import ReasoningPlan
 from laneserve.tool_calls.choice import ToolPlan
-from laneserve.tool_calls.stream import CallDelta, delta_body, extract
 
 
 class TokenText(Protocol):
@@ -28,6 +29,7 @@ class Context:
     n: int
     tokenizer: TokenText | None = None  # echoed prompt tokens without a logprob entry
     tools: ToolPlan | None = None  # chat with tools: how tool calls are read back
+    reasoning: ReasoningPlan | None = None  # chat with a reasoning parser: thinking split off
 
     @property
     def object_name(self) -> str:
@@ -43,6 +45,7 @@ class Choice:
     index: int
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
@@ -58,9 +61,12 @@ class Accumulator:
         self.echo = bool(getattr(ctx.body, "echo", False))
         self.num_logprobs = _requested_logprobs(ctx)
         self.prompt_only = bool(getattr(ctx.body, "prompt_only", False))
-        plan = ctx.tools
-        self.tool_streams = {i: plan.stream() for i in self.choices} if plan else {}
-        self.called: set[int] = set()  # choices that streamed a tool call
+        self.token_ids = bool(getattr(ctx.body, "return_token_ids", False))
+        self.ids_sent: set[int] = set()  # streamed choices that had their prompt ids
+        parsed = ctx.chat and (ctx.tools is not None or ctx.reasoning is not None)
+        self.parsers = (
+            {i: ChoiceParser(ctx.reasoning, ctx.tools) for i in self.choices} if parsed else {}
+        )
 
     def _choice(self, prompt_index: int, d: Delta) -> Choice:
         return self.choices[prompt_index * self.ctx.n + d.state.index]
@@ -72,6 +78,7 @@ class Accumulator:
         if not self.prompt_only:  # NOTE: its one step's token is not part of the answer
             c.text += d.text
             c.num_tokens += len(d.token_ids)
+            c.token_ids += d.token_ids
             c.logprobs += d.logprobs
         if d.finished:
             c.finish_reason = "length" if self.prompt_only else d.state.finish_reason
@@ -83,7 +90,7 @@ class Accumulator:
     def response(self) -> dict:
         ctx = self.ctx
         choices = [self._choice_body(c) for c in self.choices.values()]
-        return {
+        out = {
             "id": ctx.request_id,
             "object": ctx.object_name,
             "created": ctx.created,
@@ -91,6 +98,14 @@ class Accumulator:
             "choices": choices,
             "usage": self.usage(),
         }
+        if self.token_ids and ctx.chat:  # NOTE: one prompt per chat request
+            out["prompt_token_ids"] = ctx.prompts[0][0]
+        if self.token_ids:
+            for body, c in zip(choices, self.choices.values(), strict=True):
+                body["token_ids"] = c.token_ids
+                if not ctx.chat:
+                    body["prompt_token_ids"] = ctx.prompts[c.index // ctx.n][0]
+        return out
 
     def _choice_body(self, c: Choice) -> dict:
         entries: list[dict[int, Logprob] | None] = list(c.logprobs)
@@ -100,12 +115,11 @@ class Accumulator:
         if self.ctx.chat:
             message: dict = {"role": "assistant", "content": c.text}
             reason = _reason(c.finish_reason)
+            if self.parsers:
+                parser = ChoiceParser(self.ctx.reasoning, self.ctx.tools)
+                message = message_of(parser.feed(c.text, True), self.ctx.reasoning is not None)
             if self.ctx.tools is not None:
-                found = extract(self.ctx.tools.stream(), c.text)
-                message["content"] = found.content
-                if found.calls:
-                    message["tool_calls"] = found.calls
-                reason = self.ctx.tools.finish_reason(reason, bool(found.calls))
+                reason = self.ctx.tools.finish_reason(reason, "tool_calls" in message)
             return {
                 "index": c.index,
                 "message": message,
@@ -146,12 +160,16 @@ class Accumulator:
 
     def stream_chunks(self, prompt_index: int, d: Delta) -> list[dict]:
         c = self.add(prompt_index, d)
-        if not (d.text or d.finished or (self.num_logprobs is not None and d.logprobs)):
+        return self._with_ids(c.index, self._step_chunks(c, d), d)
+
+    def _step_chunks(self, c: Choice, d: Delta) -> list[dict]:
+        if not (d.text or d.finished or (d.token_ids and self.token_ids) or
+                (self.num_logprobs is not None and d.logprobs)):  # fmt: skip
             return []
         lp = self._logprobs(list(d.logprobs), c.index) if self.num_logprobs is not None else None
         reason = _reason(c.finish_reason) if d.finished else None
-        if c.index in self.tool_streams:
-            return self._tool_chunks(c.index, d, lp, reason)
+        if c.index in self.parsers:
+            return self._parsed_chunks(c.index, d, lp, reason)
         if self.ctx.chat:
             return [
                 self._chunk(
@@ -160,24 +178,17 @@ class Accumulator:
             ]
         return [self._chunk(c.index, {"text": d.text, "logprobs": lp, "finish_reason": reason})]
 
-    def _tool_chunks(self, index: int, d: Delta, lp: dict | None, reason: str | None) -> list[dict]:
-        """Content and tool-call pieces as the choice's stream reads them; the
-        logprobs ride on the first chunk, the finish reason on the last."""
-        ts = self.tool_streams[index]
-        events = ts.feed(d.text) + (ts.finish() if d.finished else [])
-        deltas: list[dict] = []
-        for e in events:
-            if isinstance(e, CallDelta):
-                self.called.add(index)
-                deltas.append({"tool_calls": [delta_body(e)]})
-            else:
-                deltas.append({"content": e})
-        if not deltas and (d.finished or lp is not None):
+    def _parsed_chunks(
+        self, index: int, d: Delta, lp: dict | None, reason: str | None
+    ) -> list[dict]:
+        """Reasoning, content and tool-call pieces as the choice's parser reads them;
+        the logprobs ride on the first chunk, the finish reason on the last."""
+        parser = self.parsers[index]
+        deltas = [delta_of(e) for e in parser.feed(d.text, d.finished)]
+        if not deltas and (d.finished or lp is not None or (self.token_ids and d.token_ids)):
             deltas.append({})
-        plan = self.ctx.tools
-        assert plan is not None
-        if reason is not None:
-            reason = plan.finish_reason(reason, index in self.called)
+        if reason is not None and self.ctx.tools is not None:
+            reason = self.ctx.tools.finish_reason(reason, parser.called)
         chunks = []
         for k, delta in enumerate(deltas):
             last = k == len(deltas) - 1
@@ -187,6 +198,18 @@ class Accumulator:
                 "finish_reason": reason if last else None,
             }
             chunks.append(self._chunk(index, body))
+        return chunks
+
+    def _with_ids(self, index: int, chunks: list[dict], d: Delta) -> list[dict]:
+        """return_token_ids: the new token ids ride on a choice's first chunk of the
+        step, the prompt's ids on its first chunk of all."""
+        if not self.token_ids or not chunks:
+            return chunks
+        choice = chunks[0]["choices"][0]
+        choice["token_ids"] = list(d.token_ids)
+        if index not in self.ids_sent:
+            self.ids_sent.add(index)
+            choice["prompt_token_ids"] = self.ctx.prompts[index // self.ctx.n][0]
         return chunks
 
     def _chunk(self, index: int, body: dict) -> dict:

@@ -22,7 +22,8 @@ import msgspec
 from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
 from laneserve.engine_args import EngineArgs
 from laneserve.entrypoints import dashboard_flags
-from laneserve.tool_calls.parsers import PARSERS
+from laneserve.reasoning import REASONING_PARSERS
+from laneserve.tool_calls.registry import PARSERS
 
 if TYPE_CHECKING:
     from laneserve.entrypoints.api_server import ServerState
@@ -104,6 +105,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the format the model writes tool calls in (with --enable-auto-tool-choice)",
     )
     dashboard_flags.add_cli_args(p)
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="chat answers: the model's thinking goes to reasoning_content (deepseek_r1: "
+        "always; deepseek_v3 / deepseek_v4: when chat_template_kwargs turn thinking on)",
+    )
     EngineArgs.add_cli_args(p, default_worker_mode="process")
     p.set_defaults(func=run)
 
@@ -165,6 +173,7 @@ def run(ns: argparse.Namespace) -> int:
         aliases=list(ns.served_model_name or [])[1:],
         trust_request_chat_template=ns.trust_request_chat_template,
         tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
+        reasoning_parser=ns.reasoning_parser,
     )
     llm.on_step = lambda engine, deltas: state.metrics.refresh(engine)
     llm.on_abort = lambda dropped: record_aborted(state, dropped)

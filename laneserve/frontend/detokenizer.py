@@ -13,6 +13,7 @@ streaming.
 
 from __future__ import annotations
 
+from laneserve.frontend.no_tokenizer import NoTokenizer
 from laneserve.frontend.tokenizer import Tokenizer
 from laneserve.sampling_params import SamplingParams
 
@@ -20,7 +21,9 @@ _SEED_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | NoTokenizer, prompt_ids: list[int], params: SamplingParams
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special = params.skip_special_tokens
         self.stop = params.stop_strings

@@ -13,10 +13,12 @@ from typing import Any
 
 import msgspec
 
+from laneserve.chat_formats import resolve_chat_format
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import EngineCore, WorkerClient
 from laneserve.core.request import Request
 from laneserve.frontend.generation_config import generation_defaults
+from laneserve.frontend.no_tokenizer import WHY, NoTokenizer
 from laneserve.frontend.output_processor import Delta, OutputProcessor, RequestState
 from laneserve.frontend.tokenizer import Tokenizer
 from laneserve.obs.profiling import Tracer
@@ -36,6 +38,15 @@ def make_client(config: EngineConfig, tracer: Tracer) -> WorkerClient:
     return LaneClient(config) if config.scheduler.async_scheduling else InlineClient(config)
 
 
+def _architectures(model_dir: Path) -> list[str]:
+    """config.json's `architectures` (empty where there is none)."""
+    try:
+        archs = json.loads((model_dir / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError):
+        return []
+    return [a for a in archs or [] if isinstance(a, str)]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, client: WorkerClient | None = None) -> None:
         self.config = config
@@ -44,8 +55,14 @@ class LLMEngine:
         self.core = EngineCore(config, self.client, self.tracer)
         ready = self.client.ready
         self.model_dir = Path(ready.model_dir)
-        self.tokenizer = Tokenizer(
-            config.model.tokenizer or ready.model_dir, config.model.chat_template
+        self.tokenizer: Tokenizer | NoTokenizer = (
+            NoTokenizer(ready.vocab_size)
+            if config.model.skip_tokenizer_init
+            else Tokenizer(
+                config.model.tokenizer or ready.model_dir,
+                config.model.chat_template,
+                resolve_chat_format(config.model.tokenizer_mode, _architectures(self.model_dir)),
+            )
         )
         self.processor = OutputProcessor(self.tokenizer)
         # defaults for unset sampling fields (--generation-config)
@@ -102,6 +119,8 @@ class LLMEngine:
         bad = next((t for t in params.logit_bias or () if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+        if isinstance(self.tokenizer, NoTokenizer) and params.stop_strings:
+            raise ValueError(f"stop: stop strings need the text; {WHY} (use stop_token_ids)")
 
     def abort(self, request_id: str) -> list[RequestState]:
         """Drop every sample of the request; returns those that had not finished."""
@@ -186,7 +205,9 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     return msgspec.structs.replace(params, n=1, seed=seed)
 
 
-def _eos_ids(model_dir: Path, config_eos: list[int], tokenizer: Tokenizer) -> tuple[int, ...]:
+def _eos_ids(
+    model_dir: Path, config_eos: list[int], tokenizer: Tokenizer | NoTokenizer
+) -> tuple[int, ...]:
     ids = list(config_eos)
     gen = model_dir / "generation_config.json"
     if gen.is_file():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from laneserve.core.request import Request
 from laneserve.core.scheduler import EngineCoreOutput
 from laneserve.frontend.detokenizer import IncrementalDetokenizer
+from laneserve.frontend.no_tokenizer import NoTokenizer
 from laneserve.frontend.tokenizer import Tokenizer
 from laneserve.outputs import (
     CompletionOutput,
@@ -52,7 +53,7 @@ class Delta:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | NoTokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[int, RequestState] = {}  # by core handle
 

@@ -6,12 +6,21 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from laneserve.chat_formats import render_chat
+
 log = logging.getLogger(__name__)
 
 
 class Tokenizer:
-    def __init__(self, directory: Path | str, chat_template: str | None = None) -> None:
-        """`chat_template`: a file, or the template text, used instead of the model's."""
+    def __init__(
+        self,
+        directory: Path | str,
+        chat_template: str | None = None,
+        chat_format: str | None = None,
+    ) -> None:
+        """`chat_template`: a file, or the template text, used instead of the model's;
+        `chat_format`: a format in code (`laneserve.chat_formats`) used where no Jinja
+        template is given."""
         from transformers import AutoTokenizer
 
         try:
@@ -22,10 +31,13 @@ class Tokenizer:
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.all_special_ids = set(self.hf.all_special_ids)
         self.chat_template = _load_template(chat_template)
+        self.chat_format = chat_format
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self.chat_template or getattr(self.hf, "chat_template", None))
+        return bool(
+            self.chat_template or self.chat_format or getattr(self.hf, "chat_template", None)
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -69,6 +81,16 @@ class Tokenizer:
             raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        if not template and self.chat_format is not None:
+            text = render_chat(
+                self.chat_format,
+                messages,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+            return self.encode(text, add_special_tokens=False)  # the format writes the BOS
         text = _text(
             _render(
                 self.hf,

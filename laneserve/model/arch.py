@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from laneserve.model.deepseek_v4_config import DeepseekV4Params
+from laneserve.model.deepseek_v4_config import DeepseekV4ConfigError, DeepseekV4Params
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,8 @@ class ArchConfig:
     def from_hf(cfg: dict) -> ArchConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and "DeepseekV41ForCausalLM" in archs:
+            raise UnsupportedModelError(_v41_refusal(cfg))
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
@@ -168,7 +170,7 @@ class ArchConfig:
             eos_token_ids=eos_ids,
             sliding_window=None if v4 else _sliding_window(cfg),
             deepseek=DeepseekParams.from_hf(arch, cfg) if arch in DEEPSEEK_ARCHITECTURES else None,
-            v4=DeepseekV4Params.from_hf(cfg) if v4 else None,
+            v4=_v4_params(cfg) if v4 else None,
         )
 
     def inv_freq(self) -> torch.Tensor:
@@ -186,6 +188,24 @@ class ArchConfig:
         raise UnsupportedModelError(
             f"rope scaling {kind!r} is not supported (default, linear, llama3)"
         )
+
+
+def _v4_params(cfg: dict) -> DeepseekV4Params:
+    try:
+        return DeepseekV4Params.from_hf(cfg)
+    except DeepseekV4ConfigError as e:
+        raise UnsupportedModelError(f"DeepseekV4ForCausalLM config.json: {e}") from None
+
+
+def _v41_refusal(cfg: dict) -> str:
+    """What DeepSeek V4.1 adds that laneserve does not run, named from its config."""
+    missing = ["reading the language model's config nested under `text_config`"]
+    if cfg.get("vision_config") is not None:
+        missing.append("its vision tower (`vision_config`): laneserve has no image encoder")
+    return (
+        "DeepseekV41ForCausalLM (DeepSeek V4.1) is not supported; laneserve runs the "
+        "text-only DeepseekV4ForCausalLM. Missing: " + "; ".join(missing)
+    )
 
 
 def _rope_parameters(cfg: dict) -> dict:

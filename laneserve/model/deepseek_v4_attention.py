@@ -101,7 +101,9 @@ class V4Attention:
             lin("wo_b"),
         )
         self.q_norm = Norm(get(f"{prefix}.q_norm.weight", torch.float32), eps)
-        self.kv_norm = Norm(get(f"{prefix}.norm.weight", torch.float32), eps)
+        # released: `attn.kv_norm`; transformers' save_pretrained writes `attn.norm`
+        kv_norm = "norm" if prefix.startswith("model.") else "kv_norm"
+        self.kv_norm = Norm(get(f"{prefix}.{kv_norm}.weight", torch.float32), eps)
         wo_a = get(f"{prefix}.wo_a.weight")  # [G * R, H * D / G]
         self.wo_a = wo_a.view(p.o_groups, p.o_lora_rank, -1)  # [G, R, H * D / G]
         self.sinks = get(f"{prefix}.attn_sink", torch.float32)  # [H]

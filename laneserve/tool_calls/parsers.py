@@ -8,7 +8,10 @@
                ```json\n{...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>   DeepSeek V3 / R1
  deepseek_v31  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
                <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>                      DeepSeek V3.1
+ deepseek_v32  <｜DSML｜function_calls><｜DSML｜invoke name=..>..  (dsml_parser.py)  DeepSeek V3.2
+ deepseek_v4   <｜DSML｜tool_calls><｜DSML｜invoke name=..>..      (dsml_parser.py)  DeepSeek V4
 ```
+`registry.py` maps the `--tool-call-parser` names to the classes.
 A parser answers three questions about the text generated so far: where the
 tool-call section starts (`start`), how many trailing characters might be the
 beginning of its marker and must not be streamed as content yet (`hold`), and
@@ -173,16 +176,3 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
         r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>",
         re.DOTALL,
     )
-
-
-PARSERS: dict[str, type] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, DeepSeekV3Parser, DeepSeekV31Parser)
-}
-
-
-def get_parser(name: str) -> ToolParser:
-    cls = PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {sorted(PARSERS)}")
-    parser: ToolParser = cls()
-    return parser

@@ -200,7 +200,10 @@ def quantized_release(src: Path, out: Path, reference: Path) -> tuple[Path, Path
 
 
 def _release_name(name: str) -> str:
+    """save_pretrained name -> released name (checked against the released list in
+    `release_deepseek_v4.py` by test_deepseek_v4_release)."""
     name = name.removeprefix("model.").replace("embed_tokens.weight", "embed.weight")
+    name = name.replace(".attn.norm.weight", ".attn.kv_norm.weight")
     return name.replace("hc_head.hc_", "hc_head_")
 
 
