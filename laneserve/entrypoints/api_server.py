@@ -28,7 +28,12 @@ import laneserve
 from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
 from laneserve.entrypoints import prepare
 from laneserve.entrypoints import responses as R
-from laneserve.entrypoints.api_errors import APIError, error_for, install_error_handlers
+from laneserve.entrypoints.api_errors import (
+    APIError,
+    error_for,
+    install_error_handlers,
+    request_failure,
+)
 from laneserve.entrypoints.middleware import GuardMiddleware
 from laneserve.entrypoints.offload import Offload, call
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -276,7 +281,7 @@ async def _collect(state: ServerState, request: Request, ctx: R.Context, streams
     finally:
         gone.cancel()
     if acc.error is not None:
-        raise APIError(500, acc.error, "InternalServerError")
+        raise request_failure(acc.error)
     return JSONResponse(acc.response())
 
 
@@ -291,7 +296,7 @@ async def _sse(state: ServerState, ctx: R.Context, streams: list) -> AsyncIterat
                 for chunk in acc.opening_chunks():
                     yield R.sse(chunk)
             if d.finished and d.state.error:  # NOTE: an error event, not an empty chunk
-                raise APIError(500, d.state.error, "InternalServerError")
+                raise request_failure(d.state.error)
             for chunk in acc.stream_chunks(i, d):
                 yield R.sse(chunk)
             _record(state, d, clock)
@@ -299,7 +304,7 @@ async def _sse(state: ServerState, ctx: R.Context, streams: list) -> AsyncIterat
             yield R.sse(acc.usage_chunk())
     except Exception as e:
         err = error_for(e)
-        yield R.sse(R.error_body(err.message, err.kind, err.status))
+        yield R.sse(R.error_body(err.message, err.kind, err.status, err.param))
     yield b"data: [DONE]\n\n"
 
 

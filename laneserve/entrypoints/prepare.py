@@ -71,7 +71,7 @@ def render(engine, body: ChatCompletionRequest) -> list[int]:
         )
     except TemplateKwargError as e:
         raise APIError(400, str(e), param="chat_template_kwargs") from None
-    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as e:
+    except (Exception, RecursionError, MemoryError) as e:  # NOTE: the template's or messages'
         raise APIError(400, f"{type(e).__name__}: {e}", param=field) from None
 
 
