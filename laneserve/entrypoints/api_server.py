@@ -46,6 +46,8 @@ from laneserve.tool_calls.choice import ToolPlan
 
 log = logging.getLogger(__name__)
 
+DEFAULT_HEALTH_STALL_S = 60.0
+
 
 @dataclass
 class ServerState:
@@ -60,6 +62,8 @@ class ServerState:
     aliases: list[str] = field(default_factory=list)  # more served names of the model
     trust_request_chat_template: bool = False  # a request may bring its own template
     tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice
+    # /health is 503 once one engine step has run this long (a stopped or hung worker)
+    health_stall_s: float = DEFAULT_HEALTH_STALL_S
     metrics: ServerMetrics = field(init=False)
     offload: Offload = field(default_factory=Offload)  # request preparation, off the loop
     created: int = field(default_factory=lambda: int(time.time()))
@@ -135,6 +139,12 @@ def _unavailable(state: ServerState) -> str | None:
         return "the worker is restarting"
     if not llm.healthy:
         return "the worker died and was not restarted"
+    stalled = llm.stalled_s
+    if stalled > state.health_stall_s:
+        return (
+            f"the worker has made no progress for {stalled:.0f} s "
+            f"(the limit is {state.health_stall_s:g} s, --health-stall-timeout-s)"
+        )
     return None
 
 
@@ -296,6 +306,7 @@ async def _sse(state: ServerState, ctx: R.Context, streams: list) -> AsyncIterat
                 for chunk in acc.opening_chunks():
                     yield R.sse(chunk)
             if d.finished and d.state.error:  # NOTE: an error event, not an empty chunk
+                _record(state, d, clock)  # counted as finished with reason "error"
                 raise request_failure(d.state.error)
             for chunk in acc.stream_chunks(i, d):
                 yield R.sse(chunk)
