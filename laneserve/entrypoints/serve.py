@@ -127,6 +127,7 @@ def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from laneserve.entrypoints.api_server import ServerState, build_app, record_aborted
+    from laneserve.entrypoints.slow_clients import HeaderTimeoutProtocol
     from laneserve.frontend.async_llm import AsyncLLM
 
     if ns.model_tag is not None:
@@ -171,6 +172,7 @@ def run(ns: argparse.Namespace) -> int:
             log_level=ns.uvicorn_log_level,
             timeout_graceful_shutdown=ns.graceful_shutdown_s + _DRAIN_MARGIN_S,
             lifespan="on",
+            http=HeaderTimeoutProtocol,  # slow clients' half-sent headers time out
         ),
         state,
         ns.graceful_shutdown_s,
