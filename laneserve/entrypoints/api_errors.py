@@ -35,6 +35,20 @@ def error_for(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {e}", "InternalServerError")
 
 
+# a request failed during generation by what it asked for (its constraint, a field the
+# worker could not read): the client's error, as the constraint's 400 would have been
+_REQUEST_FAULTS = ("structured_outputs", "request rejected", "the request could not be read")
+
+
+def request_failure(message: str) -> APIError:
+    """The error of a request that failed while it was generated."""
+    if any(marker in message for marker in _REQUEST_FAULTS):
+        return APIError(
+            400, message, param="structured_outputs" if "structured" in message else None
+        )
+    return APIError(500, message, "InternalServerError")
+
+
 def _error_response(e: APIError) -> Response:
     body = error_json(e.message, e.kind, e.status, e.param)
     return Response(body, status_code=e.status, media_type="application/json")

@@ -17,19 +17,25 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.middleware.cors import CORSMiddleware
 
 import laneserve
 from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
+from laneserve.entrypoints import prepare
 from laneserve.entrypoints import responses as R
-from laneserve.entrypoints.api_errors import APIError, error_for, install_error_handlers
+from laneserve.entrypoints.api_errors import (
+    APIError,
+    error_for,
+    install_error_handlers,
+    request_failure,
+)
 from laneserve.entrypoints.middleware import GuardMiddleware
+from laneserve.entrypoints.offload import Offload, call
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from laneserve.entrypoints.streams import SSEResponse, client_left, close_all, merged
 from laneserve.frontend.async_llm import AsyncLLM
@@ -40,6 +46,8 @@ from laneserve.sampling_params import SamplingParams
 from laneserve.tool_calls.choice import ToolPlan
 
 log = logging.getLogger(__name__)
+
+DEFAULT_HEALTH_STALL_S = 60.0
 
 
 @dataclass
@@ -56,7 +64,10 @@ class ServerState:
     trust_request_chat_template: bool = False  # a request may bring its own template
     tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser
+    # /health is 503 once one engine step has run this long (a stopped or hung worker)
+    health_stall_s: float = DEFAULT_HEALTH_STALL_S
     metrics: ServerMetrics = field(init=False)
+    offload: Offload = field(default_factory=Offload)  # request preparation, off the loop
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -92,10 +103,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_fields(body)
         _check_model(state, body.model)
-        prompts = [_tokenize(state, p) for p in body.prompts()]
-        defaults = _engine(state).sampling_defaults
-        params = _params(lambda: body.completion_params(defaults))
-        return await _serve(state, request, "cmpl", body, prompts, params, chat=False)
+        engine = _engine(state)
+        ready = await _prepared(state, call(prepare.completion, engine, body))
+        return await _serve(state, request, "cmpl", body, ready.prompts, ready.params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -108,30 +118,8 @@ def build_app(state: ServerState) -> FastAPI:
                 param="chat_template",
             )
         engine = _engine(state)
-        try:
-            tools = body.tool_plan(state.tool_parser)
-        except ValueError as e:
-            raise APIError(400, str(e), param="tool_choice") from None
-        try:
-            ids = engine.tokenizer.apply_chat_template(
-                body.chat_messages(),
-                body.add_generation_prompt and not body.continue_final_message,
-                chat_template=body.chat_template,
-                chat_template_kwargs=body.chat_template_kwargs,
-                continue_final_message=body.continue_final_message,
-                tools=body.template_tools(),
-            )
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), param="messages") from None
-        prompts: list[tuple[list[int], str | None]] = [(ids, None)]
-        params = _params(
-            lambda: body.sampling_params(
-                body.max_new_tokens(), body.num_logprobs(), engine.sampling_defaults
-            )
-        )
-        if tools is not None and tools.parser is not None and tools.parser.special_markers:
-            # NOTE: the parser reads marker tokens that are special in the vocabulary
-            params = msgspec.structs.replace(params, skip_special_tokens=False)
+        ready = await _prepared(state, call(prepare.chat, engine, body, state.tool_parser))
+        prompts, params, tools = ready.prompts, ready.params, ready.tools
         reasoning = reasoning_plan(state.reasoning_parser, body.chat_template_kwargs)
         return await _serve(
             state, request, "chatcmpl", body, prompts, params, chat=True, tools=tools,
@@ -155,6 +143,12 @@ def _unavailable(state: ServerState) -> str | None:
         return "the worker is restarting"
     if not llm.healthy:
         return "the worker died and was not restarted"
+    stalled = llm.stalled_s
+    if stalled > state.health_stall_s:
+        return (
+            f"the worker has made no progress for {stalled:.0f} s "
+            f"(the limit is {state.health_stall_s:g} s, --health-stall-timeout-s)"
+        )
     return None
 
 
@@ -176,19 +170,21 @@ def _check_model(state: ServerState, model: str | None) -> None:
         raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
 
-def _params(build) -> SamplingParams:
+async def _prepared(state: ServerState, job: Callable[[], prepare.Prepared]) -> prepare.Prepared:
+    """The request's tokens and params, made on the offload threads (see prepare.py)."""
     try:
-        return build()
+        return await state.offload.run(job, "preparing the request")
+    except APIError:
+        raise
     except ValueError as e:
         raise APIError(400, str(e)) from None
-
-
-def _tokenize(state: ServerState, prompt: str | list[int]) -> tuple[list[int], str | None]:
-    engine = _engine(state)
-    try:
-        return engine.tokenize(prompt)
-    except (ValueError, TypeError) as e:
-        raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
+    except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
+        raise
+    except BaseException as e:  # NOTE: a panic of a native library included
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise APIError(
+            500, f"internal error: {type(e).__name__}: {first}", "InternalServerError"
+        ) from None
 
 
 def _check_limits(state: ServerState, engine, params: SamplingParams, num_prompts: int) -> None:
@@ -301,7 +297,7 @@ async def _collect(state: ServerState, request: Request, ctx: R.Context, streams
     finally:
         gone.cancel()
     if acc.error is not None:
-        raise APIError(500, acc.error, "InternalServerError")
+        raise request_failure(acc.error)
     return JSONResponse(acc.response())
 
 
@@ -316,7 +312,8 @@ async def _sse(state: ServerState, ctx: R.Context, streams: list) -> AsyncIterat
                 for chunk in acc.opening_chunks():
                     yield R.sse(chunk)
             if d.finished and d.state.error:  # NOTE: an error event, not an empty chunk
-                raise APIError(500, d.state.error, "InternalServerError")
+                _record(state, d, clock)  # counted as finished with reason "error"
+                raise request_failure(d.state.error)
             for chunk in acc.stream_chunks(i, d):
                 yield R.sse(chunk)
             _record(state, d, clock)
@@ -324,7 +321,7 @@ async def _sse(state: ServerState, ctx: R.Context, streams: list) -> AsyncIterat
             yield R.sse(acc.usage_chunk())
     except Exception as e:
         err = error_for(e)
-        yield R.sse(R.error_body(err.message, err.kind, err.status))
+        yield R.sse(R.error_body(err.message, err.kind, err.status, err.param))
     yield b"data: [DONE]\n\n"
 
 

@@ -10,6 +10,7 @@ handed on unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -21,9 +22,12 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+BODY_TIMEOUT_S = 30.0  # from complete headers to the whole body: else a 408
+
 
 class GuardMiddleware:
-    """401 without the API key (outside `open_paths`), 413 for bodies over the limit."""
+    """401 without the API key (outside `open_paths`), 413 for bodies over the limit,
+    408 for a body that does not arrive within `body_timeout_s`."""
 
     def __init__(
         self,
@@ -31,8 +35,10 @@ class GuardMiddleware:
         api_key: str | None,
         max_request_bytes: int,
         open_paths: frozenset[str],
+        body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
         self.app = app
+        self.body_timeout_s = body_timeout_s
         self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
         self.max_bytes = max_request_bytes
         self.open_paths = open_paths
@@ -49,7 +55,13 @@ class GuardMiddleware:
         if size.isdigit() and int(size) > self.max_bytes:
             await self._too_large(send, f"{int(size)} bytes")
             return
-        body = await self._read_body(receive)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            msg = f"the request body did not arrive within {self.body_timeout_s:g} s"
+            await _error(send, 408, msg, "RequestTimeoutError")
+            return
         if body is None:
             await self._too_large(send, f"more than {self.max_bytes} bytes")
             return

@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     field_validator,
 )
@@ -41,7 +42,46 @@ Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool = False
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` object, every field strictly typed (a mistyped
+    one is a 400 naming it, never a surprise for the worker)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: Text | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool | None = None
+    whitespace_pattern: Text | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_unset=True)
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_unset=True)
 
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -53,16 +93,16 @@ class _Common(BaseModel):
 
     model: Text | None = None
     n: StrictInt = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
-    min_p: float | None = None
+    min_p: StrictFloat | None = None
     seed: StrictInt | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     skip_special_tokens: StrictBool = True
@@ -71,15 +111,15 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and the answer's token ids
     user: Text | None = None
-    logit_bias: dict[str, float] | None = None  # OpenAI: token ids as strings
+    logit_bias: dict[str, StrictFloat] | None = None  # OpenAI: token ids as strings
     # structured output (laneserve/structured/request_fields.py)
-    response_format: dict | None = None
-    structured_outputs: dict | None = None
-    guided_json: str | dict | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    guided_whitespace_pattern: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: Text | dict[str, Any] | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
@@ -122,7 +162,13 @@ class _Common(BaseModel):
             "guided_grammar": self.guided_grammar,
             "guided_whitespace_pattern": self.guided_whitespace_pattern,
         }
-        return from_request(self.response_format, self.structured_outputs, guided)
+        return from_request(self._response_format(), self._structured_fields(), guided)
+
+    def _response_format(self) -> dict[str, Any] | None:
+        return self.response_format.fields() if self.response_format else None
+
+    def _structured_fields(self) -> dict[str, Any] | None:
+        return self.structured_outputs.fields() if self.structured_outputs else None
 
     def _token_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -336,11 +382,11 @@ class ChatCompletionRequest(_Common):
         )
         if schema is None:
             return super().structured()
-        so = dict(self.structured_outputs or {})
+        so = self._structured_fields() or {}
         others = any(so.get(k) is not None for k in KINDS) or any(
             getattr(self, f) is not None for f in GUIDED_FIELDS
         )
-        if others or (self.response_format or {}).get("type", "text") != "text":
+        if others or (self._response_format() or {}).get("type", "text") != "text":
             raise ValueError(
                 "tool_choice: a required or named tool choice cannot be combined with "
                 "response_format, structured_outputs or guided_* fields"

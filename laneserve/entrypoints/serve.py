@@ -112,6 +112,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="chat answers: the model's thinking goes to reasoning_content (deepseek_r1: "
         "always; deepseek_v3 / deepseek_v4: when chat_template_kwargs turn thinking on)",
     )
+    p.add_argument(
+        "--health-stall-timeout-s",
+        type=float,
+        default=60.0,
+        help="/health answers 503 while one engine step has run longer than this "
+        "(a stopped or hung worker with work pending)",
+    )
     EngineArgs.add_cli_args(p, default_worker_mode="process")
     p.set_defaults(func=run)
 
@@ -133,6 +140,7 @@ def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from laneserve.entrypoints.api_server import ServerState, build_app, record_aborted
+    from laneserve.entrypoints.slow_clients import HeaderTimeoutProtocol
     from laneserve.frontend.async_llm import AsyncLLM
 
     if ns.model_tag is not None:
@@ -174,6 +182,7 @@ def run(ns: argparse.Namespace) -> int:
         trust_request_chat_template=ns.trust_request_chat_template,
         tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
         reasoning_parser=ns.reasoning_parser,
+        health_stall_s=ns.health_stall_timeout_s,
     )
     llm.on_step = lambda engine, deltas: state.metrics.refresh(engine)
     llm.on_abort = lambda dropped: record_aborted(state, dropped)
@@ -196,6 +205,7 @@ def run(ns: argparse.Namespace) -> int:
             log_level=ns.uvicorn_log_level,
             timeout_graceful_shutdown=ns.graceful_shutdown_s + _DRAIN_MARGIN_S,
             lifespan="on",
+            http=HeaderTimeoutProtocol,  # slow clients' half-sent headers time out
         ),
         state,
         ns.graceful_shutdown_s,
@@ -239,8 +249,14 @@ def _draining_server(config, state: ServerState, grace_s: float):
             error = EngineStoppedError(
                 f"the server is shutting down (grace period of {grace_s:g} s over)"
             )
-            timer = asyncio.get_running_loop().call_later(grace_s, state.llm.fail_all, error)
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(grace_s, state.llm.fail_all, error)
             try:
+                # NOTE: the listening sockets stay open meanwhile: a new client gets a
+                # 503 (draining), not a refused connection
+                deadline = loop.time() + grace_s + _DRAIN_MARGIN_S
+                while state.llm.has_work and loop.time() < deadline:
+                    await asyncio.sleep(0.05)
                 await super().shutdown(sockets)
             finally:
                 timer.cancel()

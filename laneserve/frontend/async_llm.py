@@ -21,6 +21,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -78,6 +79,7 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopped = False
+        self._step_since: float | None = None  # monotonic start of the step running now
 
     # -- life cycle ------------------------------------------------------------
     def start(self) -> None:
@@ -102,6 +104,19 @@ class AsyncLLM:
         eng = self.engine
         healthy = eng is not None and eng.core.healthy
         return self.ready and self.running and not self.restarting and healthy
+
+    @property
+    def stalled_s(self) -> float:
+        """Seconds the engine step running now has taken (0 when none runs): a
+        worker that stopped making progress while work is pending shows here."""
+        since = self._step_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    @property
+    def has_work(self) -> bool:
+        """Requests still unfinished (read from another thread: a snapshot)."""
+        eng = self.engine
+        return eng is not None and eng.core.has_unfinished
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self._commands.put(_STOP)
@@ -214,6 +229,7 @@ class AsyncLLM:
         return True
 
     def _step(self) -> None:
+        self._step_since = time.monotonic()
         try:
             deltas = self._eng.step()
         except Exception as e:  # NOTE: the core handles step errors; this is the last net
@@ -222,6 +238,8 @@ class AsyncLLM:
                 self._eng.abort(request_id)
             self._fail_all(RuntimeError(f"internal error: {type(e).__name__}: {e}"))
             return
+        finally:
+            self._step_since = None
         self._deliver(deltas)
 
     def _deliver(self, deltas: list[Delta]) -> None:

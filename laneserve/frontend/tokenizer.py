@@ -4,6 +4,7 @@ cache) and its chat template."""
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
 from pathlib import Path
 
 from laneserve.chat_formats import render_chat
@@ -63,11 +64,14 @@ class Tokenizer:
         chat_template_kwargs: dict | None = None,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        max_chars: int | None = None,
     ) -> list[int]:
         """Token ids of the conversation. `chat_template` (the text) overrides the
-        served one; `chat_template_kwargs` reach the template as variables;
-        `continue_final_message` leaves the last (assistant) message open; `tools`
-        (OpenAI function definitions) reach it as `tools`."""
+        served one; `chat_template_kwargs` reach the template as variables (only
+        those it reads: TemplateKwargError otherwise); `continue_final_message`
+        leaves the last (assistant) message open; `tools` (OpenAI function
+        definitions) reach it as `tools`; a text longer than `max_chars` is a
+        ValueError before it is tokenized."""
         template = chat_template or self.chat_template
         if not template and not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate()")
@@ -78,7 +82,8 @@ class Tokenizer:
                 raise ValueError(f"message {i} has unknown role {m['role']!r}")
         reserved = _RESERVED & set(chat_template_kwargs or {})
         if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+            raise TemplateKwargError(f"chat_template_kwargs may not set {sorted(reserved)}")
+        _check_kwargs(template or _hf_template(self.hf), chat_template_kwargs or {})
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other")
         if not template and self.chat_format is not None:
@@ -102,8 +107,50 @@ class Tokenizer:
                 **(chat_template_kwargs or {}),
             )
         )
+        if max_chars is not None and len(text) > max_chars:
+            raise ValueError(
+                f"the chat template rendered {len(text)} characters; the limit is {max_chars}"
+            )
         # NOTE: the template already writes any BOS it wants.
         return self.encode(text, add_special_tokens=False)
+
+
+class TemplateKwargError(ValueError):
+    """A chat_template_kwargs key the chat template does not read."""
+
+
+def _hf_template(hf) -> str | None:
+    template = getattr(hf, "chat_template", None)
+    return template if isinstance(template, str) else None
+
+
+def _check_kwargs(template: str | None, kwargs: dict) -> None:
+    """Every key must be a variable the template reads (a typo must not pass)."""
+    if not kwargs:
+        return
+    known = template_variables(template) if template else frozenset()
+    if known is None:
+        return  # NOTE: a template that does not parse: rendering says why
+    unknown = sorted(k for k in kwargs if k not in known)
+    if unknown:
+        raise TemplateKwargError(
+            f"chat_template_kwargs: the chat template reads no variable named {unknown[0]!r} "
+            f"(it reads {', '.join(sorted(known - _RESERVED)) or 'none'})"
+        )
+
+
+@lru_cache(maxsize=32)
+def template_variables(template: str) -> frozenset[str] | None:
+    """The undeclared variables of a Jinja template (those a caller may set);
+    None when it does not parse."""
+    from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ast = ImmutableSandboxedEnvironment().parse(template)
+    except Exception:
+        return None
+    return frozenset(meta.find_undeclared_variables(ast))
 
 
 # set by the request itself, never through chat_template_kwargs

@@ -8,10 +8,13 @@ host that receives it (a 400 there) before any worker sees it.
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-from llguidance import LLMatcher
+from llguidance import LLMatcher, LLParserLimits
+
+from laneserve.structured.limits import check_limits
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -26,8 +29,11 @@ def grammar_text(p: StructuredOutputsParams) -> str:
     if p.json is not None or p.json_object:
         schema = p.json if p.json is not None else ANY_JSON_OBJECT
         if isinstance(schema, str):
-            schema = _parse_schema(schema)
-        return LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(p))
+            _parse_schema(schema)
+            text = schema
+        else:
+            text = json.dumps(schema)
+        return _json_grammar(text, json.dumps(_json_options(p), sort_keys=True))
     if p.regex is not None:
         return LLMatcher.grammar_from_regex(p.regex)
     if p.choice is not None:
@@ -37,15 +43,48 @@ def grammar_text(p: StructuredOutputsParams) -> str:
     return llguidance.grammar_from("grammar", p.grammar)
 
 
+# llguidance's own bounds, the same on the host that checks and on the worker:
+# its defaults but for the grammar size (the defaults allow 500 000 symbols)
+MAX_GRAMMAR_SYMBOLS = 200_000
+
+
+def parser_limits() -> LLParserLimits:
+    return LLParserLimits(max_grammar_size=MAX_GRAMMAR_SYMBOLS, verbose_errors=False)
+
+
 def check(p: StructuredOutputsParams) -> None:
-    """ValueError naming what is wrong when `p` does not compile."""
+    """ValueError naming what is wrong when `p` is over a limit or does not compile.
+
+    The compile is memoized by the grammar's text (a repeated schema is free)."""
+    try:
+        check_limits(p)
+    except ValueError as e:
+        raise ValueError(f"structured_outputs: {p.kind}: {e}") from None
     try:
         text = grammar_text(p)
-    except ValueError as e:
+        error = validated(text)
+    except (ValueError, RecursionError) as e:
         raise ValueError(f"structured_outputs: invalid {p.kind}: {e}") from None
-    error = LLMatcher.validate_grammar(text)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # NOTE: a panic of the grammar engine is this request's
+        raise ValueError(
+            f"structured_outputs: the grammar engine failed on this {p.kind}: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     if error:
-        raise ValueError(f"structured_outputs: invalid {p.kind}: {error.strip()}")
+        raise ValueError(f"structured_outputs: invalid {p.kind}: {error}")
+
+
+@lru_cache(maxsize=256)
+def validated(text: str) -> str:
+    """llguidance's complaint about the grammar `text` ("" when it compiles)."""
+    return LLMatcher.validate_grammar(text, limits=parser_limits()).strip()
+
+
+@lru_cache(maxsize=256)
+def _json_grammar(schema: str, options: str) -> str:
+    return LLMatcher.grammar_from_json_schema(schema, defaults=json.loads(options))
 
 
 def _parse_schema(text: str) -> dict[str, Any]:

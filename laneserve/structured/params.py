@@ -29,13 +29,13 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         from laneserve.structured.grammar import check
 
+        _check_types(self)
         set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise ValueError(
                 "structured_outputs: set exactly one of json, json_object, regex, choice, "
                 f"grammar (got {', '.join(set_) or 'none'})"
             )
-        _check_types(self)
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) for c in self.choice)
         ):
@@ -56,3 +56,7 @@ def _check_types(p: StructuredOutputsParams) -> None:
         raise ValueError("structured_outputs: json must be a JSON schema (object or string)")
     if p.choice is not None and not isinstance(p.choice, list):
         raise ValueError("structured_outputs: choice must be a list of strings")
+    if p.json_object is not None and not isinstance(p.json_object, bool):
+        raise ValueError("structured_outputs: json_object must be a boolean")
+    if not isinstance(p.disable_any_whitespace, bool):
+        raise ValueError("structured_outputs: disable_any_whitespace must be a boolean")

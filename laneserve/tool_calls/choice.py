@@ -78,19 +78,55 @@ def forced_schema(tools: list[dict], choice: Any, parallel: bool) -> dict | None
         return params[name]
     if choice != "required":
         return None
-    items = [
-        {
-            "type": "object",
-            "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for n, p in params.items()
-    ]
+    defs: dict[str, Any] = {}
+    items = []
+    for i, (n, p) in enumerate(params.items()):
+        if _has_local_ref(p):
+            # NOTE: its "#/..." pointers are relative to its own root: it moves into
+            # the array schema's $defs, and they follow it there
+            defs[f"fn{i}"] = _rebase_refs(p, f"#/$defs/fn{i}")
+            p = {"$ref": f"#/$defs/fn{i}"}
+        items.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if defs:
+        schema["$defs"] = defs
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def _has_local_ref(node: Any) -> bool:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            ref = n.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                return True
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+    return False
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """A copy of `node` whose local `$ref`s ("#/...") point below `base` instead."""
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _rebase_refs(v, base) for k, v in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def plan(

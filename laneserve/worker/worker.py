@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from laneserve import protocol
@@ -44,7 +45,15 @@ from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
 from laneserve.structured.matchers import GrammarBook
 from laneserve.worker.cuda_graphs import DecodeGraphs
 from laneserve.worker.cuda_graphs_v4 import V4DecodeGraphs
-from laneserve.worker.failures import StepFailure, failed_result, handles_of, salvage
+from laneserve.worker.failures import (
+    Rejections,
+    StepFailure,
+    failed_result,
+    handles_of,
+    lenient_decode,
+    salvage,
+    with_errors,
+)
 from laneserve.worker.input_batch import InputSlot, RequestTable
 from laneserve.worker.kv_cache import KvCache, StepBounds, num_blocks_for
 from laneserve.worker.model_runner import ModelRunner
@@ -102,6 +111,7 @@ class Worker:
             arch.vocab_size,
             list(arch.eos_token_ids),
         )
+        self.rejections = Rejections()  # requests failed alone, per step
         self.runner = self._build_runner()
         self.input_slots, self.input_layout = self._inputs()
         self.load_s = time.perf_counter() - start
@@ -292,9 +302,15 @@ class Worker:
             cmd = item if isinstance(item, StepCommand) else protocol.decode_command(item)
         except Exception as e:
             assert isinstance(item, bytes), "only an encoded command fails to decode"
-            step_id, handles = salvage(item)
-            log.warning("malformed step command %s: %s", step_id, e)
-            return StepFailure(step_id, handles, f"malformed step command: {e}")
+            try:  # NOTE: one request that does not decode fails alone
+                cmd, bad = lenient_decode(item)
+            except Exception:
+                step_id, handles = salvage(item)
+                log.warning("malformed step command %s: %s", step_id, e)
+                return StepFailure(step_id, handles, f"malformed step command: {e}")
+            for handle, message in bad.items():
+                log.warning("step %d: request %d rejected: %s", cmd.step_id, handle, message)
+                self.rejections.add(cmd.step_id, handle, message)
         try:
             return self._register(cmd)
         except Exception as e:
@@ -305,12 +321,24 @@ class Worker:
         with self.tracer.span("command", step=cmd.step_id):
             prompts = []
             for new in cmd.new_requests:
-                req = self.table.register(new)
-                if new.sampling_params.structured_outputs is not None:
-                    self.grammars.add(new.handle, new.sampling_params.structured_outputs)
-                ids = torch.tensor(new.prompt_token_ids, dtype=torch.int64).to(self.device)
-                prompts.append((req.slot, ids))
+                try:
+                    prompts.append(self._register_one(new))
+                except Exception as e:  # NOTE: this request fails alone (see failures.py)
+                    log.warning("step %d: request %d rejected: %s", cmd.step_id, new.handle, e)
+                    self.rejections.add(cmd.step_id, new.handle, f"request rejected: {e}")
             return PendingStep(cmd, prompts)
+
+    def _register_one(self, new: protocol.NewRequest) -> tuple[int, torch.Tensor]:
+        """Its grammar first: a request whose grammar fails is never registered."""
+        if new.sampling_params.structured_outputs is not None:
+            self.grammars.add(new.handle, new.sampling_params.structured_outputs)
+        try:
+            req = self.table.register(new)
+        except Exception:
+            self.grammars.drop([new.handle])
+            raise
+        ids = torch.tensor(new.prompt_token_ids, dtype=torch.int64).to(self.device)
+        return req.slot, ids
 
     def prepare(self, pending: PendingStep, slot: InputSlot) -> StepInputs | StepFailure:
         """Apply the command's deltas and build the step's inputs in `slot`."""
@@ -331,11 +359,28 @@ class Worker:
             self.grammars.drop(cmd.finished)
             for handle in cmd.preempted:
                 self.table.preempt(handle)
+            cmd = pending.cmd = self._without_rejected(cmd)
             for s in cmd.scheduled:
                 self.table.apply_blocks(s)
             return build_inputs(
                 cmd, self.table, slot, self.input_layout, pending.new_prompts, pending.releases
             )
+
+    def _without_rejected(self, cmd: StepCommand) -> StepCommand:
+        """The command less the requests that fail alone: those rejected in this
+        step, and those the worker does not know (rejected in an earlier one)."""
+        rejected = self.rejections.of(cmd.step_id)
+        keep = []
+        for s in cmd.scheduled:
+            if s.handle not in rejected and s.handle not in self.table.requests:
+                message = f"request {s.handle} is not known to the worker (it failed earlier)"
+                self.rejections.add(cmd.step_id, s.handle, message)
+                rejected[s.handle] = message
+            if s.handle not in rejected:
+                keep.append(s)
+        if len(keep) == len(cmd.scheduled):
+            return cmd
+        return msgspec.structs.replace(cmd, scheduled=keep)
 
     def device_step(self, staged: StepInputs | StepFailure) -> DeviceOutputs | StepFailure:
         """Forward + sample; then release the requests that finished before this
@@ -370,9 +415,14 @@ class Worker:
             self.lane_clock.mark(inp.step_id, "device", start, end)
 
     def reclaim(self, staged: DeviceOutputs | StepFailure) -> StepResult:
-        """The step's result: its tokens (device->host copy), or its errors."""
+        """The step's result: its tokens (device->host copy), or its errors; a
+        request that failed alone has its error in place of its tokens."""
         try:
             result = self._reclaim(staged)
+            errors = self.rejections.take(result.step_id)
+            handles = [o.handle for o in result.outputs]
+            errors.update(self.grammars.take_failures(handles))
+            result = with_errors(result, errors)
         finally:
             self.grammars.fence.reclaimed()
         if self.lane_clock.enabled:

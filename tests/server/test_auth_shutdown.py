@@ -93,6 +93,15 @@ def test_sigterm_ends_streams_with_an_error_event(server: Server) -> None:
     t.start()
     assert started.wait(120)
     server.proc.send_signal(signal.SIGTERM)
+    # while it drains, a new client is answered 503 (not refused)
+    seen: list[int] = []
+    while not seen or seen[-1] != 503:
+        seen.append(httpx.get(f"{server.url}/health", timeout=30).status_code)
+    body503 = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=30,
+        headers={"authorization": f"Bearer {KEY}"},
+    )  # fmt: skip
+    assert body503.status_code == 503, body503.text
     t.join(120)
     # not a silent cut: the stream ends with an error event and [DONE]
     assert events[-1] == "[DONE]"

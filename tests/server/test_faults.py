@@ -67,8 +67,21 @@ def _stream_events(server: Server, out: list[str], started: threading.Event) -> 
                 started.set()
 
 
+def _errors_counted(server: Server) -> float:
+    """vllm:request_success_total{finished_reason="error"}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "vllm:request_success_total" and s.labels["finished_reason"] == "error":
+                return s.value
+    raise AssertionError("no error series")
+
+
 def test_worker_killed_mid_stream(server: Server) -> None:
     reference = server.greedy()
+    errors_before = _errors_counted(server)
     old_pid = _worker_pid(server)
     events: list[list[str]] = [[], []]
     started = [threading.Event(), threading.Event()]
@@ -105,7 +118,36 @@ def test_worker_killed_mid_stream(server: Server) -> None:
     assert health.seen[0] in (200, 503)
     assert _worker_pid(server) != old_pid
     assert server.metrics()["laneserve:num_worker_restarts_total"] == 1
+    # the failed requests count as finished with reason "error": all 8 samples of the
+    # collected request, and (at least) the sample that ended each stream
+    assert _errors_counted(server) - errors_before >= 8 + 2
     assert server.greedy() == reference
+
+
+def test_health_is_503_while_the_worker_makes_no_progress(tiny_models: dict[str, Path]) -> None:
+    """A stopped worker (SIGSTOP) with work pending: /health turns 503 once a step
+    has run past --health-stall-timeout-s, and 200 again when it runs on."""
+    s = start_server(tiny_models["llama"], "--health-stall-timeout-s", "2")
+    try:
+        events: list[str] = []
+        started = threading.Event()
+        stream = threading.Thread(target=_stream_events, args=(s, events, started))
+        stream.start()
+        assert started.wait(120), "the stream did not start"
+        pid = _worker_pid(s)
+        health = HealthLog(s)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: 503 in health.seen, "health 503 while the worker is stopped")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: health.seen[-1] == 200, "health 200 once it runs on")
+        health.close()
+        stream.join(120)
+        assert events[-1] == "[DONE]" and "error" not in events[-2]
+        assert s.greedy()
+    finally:
+        stop_server(s)
 
 
 # -- in-process: errors inside a step, and a dead engine thread ---------------------

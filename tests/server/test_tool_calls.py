@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import openai
 import pytest
+from pydantic import BaseModel, ConfigDict
 
 from laneserve.frontend.tokenizer import Tokenizer
 from tests.server.conftest import Server, start_server, stop_server
@@ -258,3 +260,40 @@ def test_bad_tool_requests_are_400(tiny: Server, kw: dict, needle: str) -> None:
         tiny.client().chat.completions.create(model="tiny", **kw)
     assert needle in str(err.value)
     assert tiny.greedy()  # and the server goes on
+
+
+class _Place(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    city: Literal["Paris", "Oslo"]
+
+
+class _Trip(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    to: _Place
+    back: _Place | None = None
+
+
+NESTED = {"type": "function", "function": {"name": "trip", "parameters": _Trip.model_json_schema()}}
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "trip"}}, "auto", "none"]
+)
+def test_local_defs_in_tool_parameters_for_every_choice(tiny: Server, choice: object) -> None:
+    """Pydantic writes nested models as `$ref: "#/$defs/..."`: every tool_choice
+    takes them (required moves each tool's schema under its own `$defs`)."""
+    assert "$defs" in NESTED["function"]["parameters"]
+    forced = choice not in ("auto", "none")
+    out = tiny.client().chat.completions.create(
+        model="tiny", messages=USER, tools=[NESTED, PING], tool_choice=choice,
+        temperature=0, max_tokens=120, extra_body=COMPACT if forced else None,
+    )  # fmt: skip
+    msg = out.choices[0].message
+    if not forced:
+        return  # NOTE: not constrained: the answer is the model's (the request is valid)
+    assert msg.tool_calls, msg
+    for call in msg.tool_calls:
+        if call.function.name == "trip":
+            _Trip.model_validate_json(call.function.arguments)
+        else:
+            assert call.function.name == "ping" and json.loads(call.function.arguments) == {}

@@ -34,6 +34,7 @@ from laneserve.sampling_params import SamplingParams
 from laneserve.structured.matchers import GrammarBook
 from laneserve.worker.input_batch import InputSlot
 from laneserve.worker.lanes import Lanes
+from laneserve.worker.failures import Rejections
 from laneserve.worker.worker import PendingStep, Worker
 
 HOLD_S = 10.0  # how long a held stage waits for its partner (a correct run never waits it out)
@@ -136,6 +137,7 @@ class FakeWorker(Worker):
         self.input_slots = [InputSlot(i, 8, 8) for i in range(2)]
         self.supports_async_prepare = async_prepare
         self.table = FakeTable()
+        self.rejections = Rejections()
         self.runner = FakeRunner(self)
         self.fail_execute = fail_execute
         self.log = EventLog()
@@ -262,7 +264,8 @@ def test_fifo_order_with_malformed_command_and_exception() -> None:
     assert [e.handle for e in results[3].errors] == [7] and not results[3].outputs
     assert "step failed: injected device failure" in results[3].errors[0].message
     assert [e.handle for e in results[6].errors] == [11]
-    assert "malformed step command: cannot register request 11" in results[6].errors[0].message
+    # NOTE: a request that fails to register fails alone (its step runs on)
+    assert "request rejected: cannot register request 11" in results[6].errors[0].message
     assert [e.handle for e in results[7].errors] == [12]
     assert "prepare failed: injected prepare failure" in results[7].errors[0].message
     for ok in (0, 1, 4, 5, 8):
