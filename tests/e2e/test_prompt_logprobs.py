@@ -24,7 +24,8 @@ def hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)[:-1]
 
 
-def check(model_dir: Path, prompt: list[int], got: list | None) -> None:
+def check(model_dir: Path, prompt: list[int], got: list | None, top_n: int = TOP) -> None:
+    """Each position holds exactly its own top `top_n` plus the prompt token."""
     assert got is not None and len(got) == len(prompt)
     assert got[0] is None
     want = hf_prompt_logprobs(model_dir, prompt)
@@ -34,9 +35,10 @@ def check(model_dir: Path, prompt: list[int], got: list | None) -> None:
         assert token in entry, f"position {pos}: the prompt token is missing"
         assert abs(entry[token].logprob - ref[token].item()) < 1e-4, f"position {pos}"
         assert entry[token].rank == int((ref > ref[token]).sum()) + 1
-        top = torch.topk(ref, TOP)
+        top = torch.topk(ref, top_n)
         for tid, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
             assert tid in entry and abs(entry[tid].logprob - value) < 1e-4
+        assert set(entry) == {*top.indices.tolist(), token}, f"position {pos}: extra entries"
 
 
 def generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 2) -> list:
@@ -56,6 +58,22 @@ def test_single_and_batched(tiny_models: dict[str, Path]) -> None:
             [{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2), use_tqdm=False
         )
         assert plain[0].prompt_logprobs is None
+
+
+def test_each_request_gets_its_own_top_n(tiny_models: dict[str, Path]) -> None:
+    """Requests asking for different `prompt_logprobs` share one prefill step; each
+    gets its own number of top entries, not the step's largest."""
+    d = tiny_models["llama"]
+    prompts = mixed_prompts(3, seed=16, lo=8, hi=20)
+    tops = [0, 1, 6]
+    params = [
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k) for k in tops
+    ]
+    with LLM(str(d), dtype="float32") as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.get_stats()["num_steps"] == 1  # all three prefilled in one step
+    for p, out, k in zip(prompts, outs, tops, strict=True):
+        check(d, p, out.prompt_logprobs, top_n=k)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -166,3 +166,29 @@ def test_linear_edge_cases(ck: CpuKernels) -> None:
         ck.linear(randn(2, 8, seed=3).double(), pw)
     with pytest.raises(TypeError):
         ck.pack_linear_weight(torch.zeros(4, 4, dtype=torch.int32))
+
+
+def test_isa_env_forces_the_loaded_variant(ck: CpuKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LANESERVE_KERNEL_ISA picks linear's variant as the kernels load: the same built
+    library (the variant is chosen at load, not compiled in, so nothing rebuilds), the
+    forced variant's weight layout and prompt-row paths, and the same bits. avx512 is
+    forced where the CPU has AVX-512 F+BW, and refused where it has not."""
+    from laneserve.kernels.cpu import LAYOUT_BLOCKED, LAYOUT_BLOCKED_512
+
+    w, x = randn(48, 64, seed=21).bfloat16(), randn(5, 64, seed=22)
+    want = ck.linear(x, ck.pack_linear_weight(w))
+    has_512 = (kbuild.cpu_flags() or set()) >= kbuild.AVX512_CPU_FLAGS
+    for isa, layout in [("avx2", LAYOUT_BLOCKED), ("avx512", LAYOUT_BLOCKED_512)]:
+        monkeypatch.setenv(kbuild.ISA_ENV, isa)
+        if isa == "avx512" and not has_512:
+            with pytest.raises(ValueError, match="lacks"):
+                load_kernels()
+            continue
+        lib = load_kernels()
+        assert lib is not None and (lib.isa, lib.library_path) == (isa, ck.lib.library_path)
+        if isa == "avx2":
+            assert not (lib.amx or lib.dpbf16 or lib.vnni or lib.bf16_dot)  # AVX-512 only
+        forced = CpuKernels(lib)
+        pw = forced.pack_linear_weight(w)
+        assert pw.layout == layout
+        assert torch.equal(forced.linear(x, pw), want)

@@ -112,6 +112,23 @@ def test_checkpoint_without_mtp_layer_is_refused(deepseek_models: dict[str, Path
         LLM(str(d), dtype="float32", **_spec(1))
 
 
+def refused_head_options(model: Path) -> list[tuple[dict, str]]:
+    """The MTP options a DeepSeek checkpoint refuses (its own layer drafts, as stored),
+    with the message each gets; the draft file exists, so only the family refuses it."""
+    weights = str(next(model.glob("*.safetensors")))
+    return [
+        ({"draft_weights": weights}, "separate draft_weights are not supported"),
+        ({"quantization": "int8"}, "MTP quantization is not supported"),
+    ]
+
+
+def test_separate_or_quantized_head_is_refused(with_mtp: Path) -> None:
+    for option, needle in refused_head_options(with_mtp):
+        cfg = {"method": "mtp", "num_speculative_tokens": 1, **option}
+        with pytest.raises(Exception, match=needle):
+            LLM(str(with_mtp), dtype="float32", speculative_config=cfg)
+
+
 def test_mtp_with_ngram_first_equals_plain(with_mtp: Path) -> None:
     prompts = [p * 3 for p in mixed_prompts(2, seed=13, lo=4, hi=8)]  # repeats: lookups hit
     cfg = {"method": "mtp", "num_speculative_tokens": 2, "ngram_first": True}

@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from laneserve import LLM
 from laneserve.core.cache_group_kinds import SlidingWindowGroup
 from laneserve.core.kv_cache_manager import KVCacheManager
 from laneserve.core.request import Request
@@ -176,3 +179,20 @@ def test_rejected_draft_that_closed_windows_is_recomputed(deepseek_v4_model: Pat
             a = clean.stacks[g][0].flatten(1, 2)[:, :closed]  # blocks 0.. hold entries 0..
             b = dirty.stacks[g][0].flatten(1, 2)[:, :closed]
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_engine_refuses_a_cache_whose_smallest_group_is_short(deepseek_v4_model: Path) -> None:
+    """`num_kv_blocks` gives every group the same count, so the full-length group with
+    the fewest tokens per block (csa: 64; hca: 128) bounds max_model_len: 3 blocks hold
+    192 tokens, fewer than 256, and the engine refuses to start, naming that group's
+    figure; 4 blocks (256 tokens) start and serve. A small step keeps the sliding
+    groups' need (their window plus one step) under both counts."""
+    kw = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=16)
+    with pytest.raises(
+        ValueError, match="holds 3 blocks = 192 tokens, fewer than max_model_len=256"
+    ):
+        LLM(str(deepseek_v4_model), num_kv_blocks=3, **kw)
+    with LLM(str(deepseek_v4_model), num_kv_blocks=4, **kw) as llm:
+        params = SamplingParams(temperature=0, max_tokens=2)
+        [out] = llm.generate({"prompt_token_ids": list(range(3, 40))}, params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from laneserve import LLM
+from laneserve import LLM, SamplingParams
 from laneserve.kernels import get_kernels
 from laneserve.model.deepseek_v4 import DeepseekV4Model, cache_groups
 from laneserve.model.deepseek_v4_attention import V4StepMetadata
@@ -19,7 +19,7 @@ from laneserve.model.deepseek_v4_mtp import DeepseekV4MtpHead, load_deepseek_v4_
 from laneserve.model.loader import WeightStore, resolve_checkpoint
 from laneserve.worker.kv_cache import KvCache
 from tests.e2e.test_tiny_models import run
-from tests.models.test_deepseek_mtp import _spec
+from tests.models.test_deepseek_mtp import _spec, refused_head_options
 from tests.models.test_deepseek_v4 import GREEDY, check_against_hf, prompts_of
 from tests.models.test_deepseek_v4_cache import tables_for
 from tests.models.tiny_deepseek_v4 import add_v4_mtp_layer, hf_mtp_reference, to_release_layout
@@ -111,6 +111,18 @@ def test_checkpoint_without_mtp_layer_is_refused(deepseek_v4_model: Path) -> Non
         LLM(str(deepseek_v4_model), dtype="float32", **_spec(1))
 
 
+def test_head_options_and_token_trees_are_refused(with_mtp: Path) -> None:
+    """V4 drafts with its own layer as stored (no draft file, no int8 head), and its
+    cache groups cannot hold token-tree side rows."""
+    for option, needle in refused_head_options(with_mtp):
+        cfg = {"method": "mtp", "num_speculative_tokens": 1, **option}
+        with pytest.raises(Exception, match=needle):
+            LLM(str(with_mtp), dtype="float32", speculative_config=cfg)
+    tree = {"method": "mtp", "speculative_token_tree": "[(0,), (1,), (2,)]"}
+    with pytest.raises(ValueError, match="does not support token trees"):
+        LLM(str(with_mtp), dtype="float32", speculative_config=tree)
+
+
 def test_bfloat16_speculative_greedy_equals_plain(with_mtp: Path) -> None:
     """bf16 weights: prompt rows take the prompt-row linears (bf16 products where the CPU
     has them), decode and verify rows the batch-invariant ones, so verifying drafts
@@ -143,3 +155,99 @@ def test_exact_mtp_layer_accepted_fully(tmp_path: Path, async_scheduling: bool) 
     source = tmp_path / "exact-src"  # the same weights in transformers' layout
     for p, g in zip(prompts, got, strict=True):
         assert g == hf_greedy(source, p, len(g))
+
+
+def _next_tokens(src: Path, embeds: torch.Tensor) -> list[int]:
+    """transformers' greedy next token after each embedding row, each alone (the exact
+    checkpoint's next token depends on the current one only)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(inputs_embeds=embeds[:, None, :]).logits[:, 0].argmax(-1).tolist()
+
+
+def build_wrong_then_right_mtp(out: Path) -> tuple[Path, Path, int, list[int]]:
+    """The exact-MTP checkpoint changed so that the MTP layer always drafts one token
+    `c` that the target repeats once it is there (c -> c), and nothing else leads to
+    c. After any other token, draft 0 (c) is wrong and draft 1 (c again) is exactly
+    what the target says after c.
+
+    How: coordinate 0 of every embedding is 0 and coordinate 1 is 1 (RMS kept 1), except
+    c's, which is the flag sqrt(H) e_0, orthogonal to them all; c is the token the
+    target says after the flag. `e_proj` sends each embedding to the flag (through
+    coordinate 1, or the flag itself), so the MTP layer, a copy of the deciding layer,
+    always sees c. Returns (release dir, transformers-layout dir, c, f: the target's
+    next token after each token)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.models.tiny_deepseek_v4 import build_exact_deepseek_v4_mtp
+
+    release = build_exact_deepseek_v4_mtp(out, inert_layers=1)
+    src = out.with_name(out.name + "-src")
+    state = load_file(str(src / "model.safetensors"))
+    emb = state["model.embed_tokens.weight"]
+    h = emb.shape[1]
+    emb[:, :2] = 0.0
+    emb *= ((h - 1) / h / emb.pow(2).mean(-1, keepdim=True)).sqrt()
+    emb[:, 1] = 1.0
+    flag = torch.zeros(h)
+    flag[0] = h**0.5
+    c = _next_tokens(src, flag[None])[0]
+    emb[c] = flag
+    save_file(state, str(src / "model.safetensors"))
+    rel = load_file(str(release / "model.safetensors"))
+    rel["embed.weight"] = emb.clone()
+    unit = torch.zeros(h)
+    unit[1] = 1.0
+    rel["mtp.0.e_proj.weight"] = torch.outer(flag, unit) + torch.outer(flag, flag) / h
+    save_file(rel, str(release / "model.safetensors"))
+    f = _next_tokens(src, emb)
+    assert f[c] == c
+    return release, src, c, f
+
+
+@pytest.fixture(scope="module")
+def wrong_then_right(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int, list]:
+    return build_wrong_then_right_mtp(tmp_path_factory.mktemp("v4skew") / "r")
+
+
+@pytest.mark.parametrize("sampled_neighbour", [False, True])
+def test_rejected_first_draft_voids_a_matching_second(
+    wrong_then_right: tuple[Path, Path, int, list[int]],
+    sampled_neighbour: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """k = 2 where draft 0 is wrong and draft 1 equals what the target would say after
+    draft 0: the second draft must be rejected with the first (accepted drafts are a
+    prefix), and the greedy tokens stay transformers'. Alone, greedy rows verify in the
+    fused kernel; next to a sampled request, in the rejection sampler (counted)."""
+    from laneserve.sample import rejection_sampler
+    from tests.tiny_models import hf_greedy
+
+    d, src, c, f = wrong_then_right
+    calls = {"verify": 0}
+    verify = rejection_sampler.verify
+
+    def counted(*args, **kwargs):
+        calls["verify"] += 1
+        return verify(*args, **kwargs)
+
+    monkeypatch.setattr(rejection_sampler, "verify", counted)
+    prompts = prompts_of([12, 5], seed=12)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    params = [GREEDY] * len(prompts)
+    if sampled_neighbour:
+        batch.append({"prompt_token_ids": prompts_of([7], seed=13)[0]})
+        params.append(
+            SamplingParams(temperature=1.0, seed=3, max_tokens=GREEDY.max_tokens, ignore_eos=True)
+        )
+    with LLM(str(d), dtype="float32", **_spec(2)) as llm:
+        outs = llm.generate(batch, params, use_tqdm=False)
+        stats = llm.get_stats()
+    assert stats["spec_num_drafts"] > 0 and (calls["verify"] > 0) == sampled_neighbour
+    for p, out in zip(prompts, outs[: len(prompts)], strict=True):
+        g = out.outputs[0].token_ids
+        assert g == hf_greedy(src, p, len(g))
+        assert f[p[-1]] != c and g[0] != c  # the first drafts are c, c: wrong, then right
+    assert stats["spec_num_accepted"] < stats["spec_num_drafts"]

@@ -98,6 +98,7 @@ def test_worker_killed_mid_stream(server: Server) -> None:
     for ev in started:
         assert ev.wait(120), "the streams did not start"
     wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 3 * 8, "all running")
+    assert httpx.get(f"{server.url}/health").status_code == 200  # before the kill
     health = HealthLog(server)
     os.kill(old_pid, signal.SIGKILL)
     for t in threads:
@@ -116,6 +117,9 @@ def test_worker_killed_mid_stream(server: Server) -> None:
     wait_for(lambda: 503 in health.seen and health.seen[-1] == 200, "health 503, then 200")
     health.close()
     assert health.seen[0] in (200, 503)
+    # healthy until the death is seen, unavailable through the restart, healthy after
+    changes = [c for i, c in enumerate(health.seen) if i == 0 or c != health.seen[i - 1]]
+    assert changes in ([200, 503, 200], [503, 200]), changes
     assert _worker_pid(server) != old_pid
     assert server.metrics()["laneserve:num_worker_restarts_total"] == 1
     # the failed requests count as finished with reason "error": all 8 samples of the
@@ -146,6 +150,28 @@ def test_health_is_503_while_the_worker_makes_no_progress(tiny_models: dict[str,
         stream.join(120)
         assert events[-1] == "[DONE]" and "error" not in events[-2]
         assert s.greedy()
+    finally:
+        stop_server(s)
+
+
+@pytest.mark.slow  # a server of its own
+def test_without_restart_health_says_not_restarted(tiny_models: dict[str, Path]) -> None:
+    """--no-restart-worker: after the worker dies, /health stays 503 and says why, and
+    requests are refused with the same reason instead of starting a new worker."""
+    s = start_server(tiny_models["llama"], "--no-restart-worker")
+    try:
+        assert s.greedy()
+        pid = _worker_pid(s)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: httpx.get(f"{s.url}/health").status_code == 503, "health 503")
+        r = httpx.get(f"{s.url}/health")
+        assert r.status_code == 503
+        assert r.json() == {"status": "the worker died and was not restarted"}
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
+        refused = s.post("/v1/completions", body)
+        assert refused.status_code == 503 and "not restarted" in refused.text
+        assert httpx.get(f"{s.url}/health").status_code == 503  # still: no restart
+        assert s.metrics()["laneserve:num_worker_restarts_total"] == 0
     finally:
         stop_server(s)
 

@@ -15,6 +15,7 @@ from typing import Literal
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from tokenizers import Tokenizer
 
 from tests.server.conftest import Server, start_server, stop_server
 
@@ -63,7 +64,7 @@ def test_parse_returns_a_valid_object(tiny: Server, model: type[BaseModel]) -> N
         assert isinstance(choice.message.parsed, model), choice.message.content
 
 
-def test_json_object_and_streaming(tiny: Server) -> None:
+def test_json_object_and_streaming(tiny: Server, tiny_models: dict[str, Path]) -> None:
     c = tiny.client()
     kw = {"model": "tiny", "messages": USER, "max_tokens": 80, "temperature": 0}
     compact = {"structured_outputs": {"disable_any_whitespace": True}}
@@ -88,6 +89,17 @@ def test_json_object_and_streaming(tiny: Server) -> None:
         assert isinstance(json.loads(any_object.message.content), dict)
     else:
         assert any_object.message.content.startswith("{")
+    # closing quotes and braces favoured, the object ends within the budget: it must parse
+    vocab = Tokenizer.from_file(str(tiny_models["qwen2"] / "tokenizer.json"))
+    bias = {str(vocab.token_to_id(t)): 6 for t in ('"', "}")}
+    closed = c.chat.completions.create(
+        response_format={"type": "json_object"},
+        logit_bias=bias,
+        extra_body=compact,
+        **{**kw, "max_tokens": 200},
+    ).choices[0]
+    assert closed.finish_reason == "stop", closed.message.content
+    assert isinstance(json.loads(closed.message.content), dict)
 
 
 COMPACT = {"disable_any_whitespace": True}

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, ConfigDict
@@ -47,6 +48,24 @@ PING = {
     },
 }
 TOOLS = [WEATHER, PING]
+BOOKING = {
+    "type": "function",
+    "function": {
+        "name": "book_table",
+        "description": "Reserve a restaurant table",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "restaurant": {"type": "string", "enum": ["Rosa", "Kato"]},
+                "people": {"type": "integer", "minimum": 1, "maximum": 12},
+                "outdoor": {"type": "boolean"},
+                "budget": {"type": "number"},
+            },
+            "required": ["restaurant", "people", "outdoor"],
+            "additionalProperties": False,
+        },
+    },
+}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 COMPACT = {
     "structured_outputs": {"disable_any_whitespace": True}
@@ -118,6 +137,28 @@ def test_required_calls_validate(tiny: Server) -> None:
             for call in choice.message.tool_calls:
                 assert call.type == "function" and call.id.startswith("call_")
                 _check_call(call.function.name, call.function.arguments)
+
+
+def test_required_call_satisfies_the_chosen_tools_schema(tiny: Server) -> None:
+    """Every tool has required keys of several types (no `ping` to fall back on), so
+    whichever tool the model picks, the grammar must have held it to that tool's own
+    parameters: each call validates against its schema with `jsonschema`."""
+    tools = [WEATHER, BOOKING]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    ask = [{"role": "user", "content": "Book a table for four outside at Rosa tonight."}]
+    names = set()
+    for temperature, seed in ((0.0, None), (1.0, 5)):
+        out = tiny.client().chat.completions.create(
+            model="tiny", messages=ask, tools=tools, tool_choice="required",
+            parallel_tool_calls=False, temperature=temperature, seed=seed, max_tokens=120, n=3,
+            extra_body=COMPACT,
+        )  # fmt: skip
+        for choice in out.choices:
+            assert choice.finish_reason == "tool_calls"
+            [call] = choice.message.tool_calls
+            names.add(call.function.name)
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert names <= set(schemas)
 
 
 def test_named_choice_streams_the_same_call(tiny: Server) -> None:
