@@ -134,8 +134,8 @@ def test_history_survives_restart_and_lanes_match_trace(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
     port, db, traces = free_port(), tmp_path / "h.sqlite3", tmp_path / "traces"
-    args = ("--port", str(port), "--dashboard-history", str(db), "--dashboard-sample-s", "1")
-    first = start_server(tiny_models["llama"], *args, "--profile-dir", str(traces))
+    args = ("--dashboard-history", str(db), "--dashboard-sample-s", "1")
+    first = start_server(tiny_models["llama"], *args, "--profile-dir", str(traces), port=port)
     try:
         _load(first)
         wait_for(lambda: len(_history(first)) >= 2, "history samples")
@@ -144,7 +144,7 @@ def test_history_survives_restart_and_lanes_match_trace(
     finally:
         stop_server(first)
     _check_lanes_against_trace(lanes, traces)
-    second = start_server(tiny_models["llama"], *args)
+    second = start_server(tiny_models["llama"], *args, port=port)
     try:
         after = _history(second)
         assert [p["t"] for p in after[: len(before)]] == [p["t"] for p in before]
