@@ -36,6 +36,7 @@ class HistoryStore:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, timeout=10.0, check_same_thread=False)
         self._writes = 0
+        self._closed = False
         with self._lock, self._db:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(
@@ -47,7 +48,13 @@ class HistoryStore:
     def add(self, point: dict) -> None:
         """Store one point (its "t": seconds since the epoch); prune now and then."""
         t = float(point["t"])
-        with self._lock, self._db:
+        with self._lock:
+            if self._closed:  # NOTE: a write that was queued when the server stopped
+                return
+            self._insert(t, point)
+
+    def _insert(self, t: float, point: dict) -> None:
+        with self._db:
             self._db.execute(
                 "INSERT OR REPLACE INTO samples (server, t, data) VALUES (?, ?, ?)",
                 (self.server, t, json.dumps(point, separators=(",", ":"))),
@@ -93,4 +100,5 @@ class HistoryStore:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._db.close()

@@ -68,8 +68,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, *extra: str, name: str = "tiny") -> Server:
-    port = free_port()
+def start_server(model: Path, *extra: str, name: str = "tiny", port: int | None = None) -> Server:
+    port = port or free_port()
     cmd = [
         sys.executable, "-m", "laneserve.entrypoints.cli", "serve", "--model", str(model),
         "--dtype", "float32", "--port", str(port), "--served-model-name", name, "--max-model-len", "256", *extra,

@@ -134,8 +134,8 @@ def test_history_survives_restart_and_lanes_match_trace(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
     port, db, traces = free_port(), tmp_path / "h.sqlite3", tmp_path / "traces"
-    args = ("--port", str(port), "--dashboard-history", str(db), "--dashboard-sample-s", "1")
-    first = start_server(tiny_models["llama"], *args, "--profile-dir", str(traces))
+    args = ("--dashboard-history", str(db), "--dashboard-sample-s", "1")
+    first = start_server(tiny_models["llama"], *args, "--profile-dir", str(traces), port=port)
     try:
         _load(first)
         wait_for(lambda: len(_history(first)) >= 2, "history samples")
@@ -144,7 +144,7 @@ def test_history_survives_restart_and_lanes_match_trace(
     finally:
         stop_server(first)
     _check_lanes_against_trace(lanes, traces)
-    second = start_server(tiny_models["llama"], *args)
+    second = start_server(tiny_models["llama"], *args, port=port)
     try:
         after = _history(second)
         assert [p["t"] for p in after[: len(before)]] == [p["t"] for p in before]
@@ -186,19 +186,34 @@ def _check_lanes_against_trace(lanes: list[dict], traces: Path) -> None:
 
 
 def test_bad_dashboard_flags_fail_fast(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    import argparse
     import subprocess
     import sys
 
-    bad_db = tmp_path / "bad.sqlite3"
-    bad_db.write_bytes(b"not an sqlite database at all" * 100)
+    from laneserve.entrypoints import serve
+    from laneserve.entrypoints.dashboard_flags import DashboardOptions
+
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
     for extra, message in (
         (["--dashboard-retention-h", "0"], "--dashboard-retention-h must be > 0"),
         (["--dashboard-steps", "0"], "--dashboard-steps must be in"),
-        (["--dashboard-history", str(bad_db)], "the dashboard history"),
+        (["--dashboard-steps", "513"], "--dashboard-steps must be in"),
+        (["--dashboard-sample-s", "0.5"], "--dashboard-sample-s must be in"),
     ):
-        proc = subprocess.run(
-            [sys.executable, "-m", "laneserve.entrypoints.cli", "serve", "--model",
-             str(tiny_models["llama"]), "--port", str(free_port()), *extra],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert proc.returncode == 2 and message in proc.stdout, proc.stdout + proc.stderr
+        with pytest.raises(ValueError, match=message):
+            DashboardOptions.from_cli(parser.parse_args(["serve", *extra]))
+    ok = DashboardOptions.from_cli(parser.parse_args(["serve", "--dashboard-history", "x.db"]))
+    assert ok.history == Path("x.db") and ok.retention_s == 48 * 3600 and ok.steps == 64
+    assert parser.parse_args(["serve", "--no-dashboard"]).dashboard is False
+    # a history file that is not a database: the server refuses to start, with the reason
+    bad_db = tmp_path / "bad.sqlite3"
+    bad_db.write_bytes(b"not an sqlite database at all" * 100)
+    proc = subprocess.run(
+        [sys.executable, "-m", "laneserve.entrypoints.cli", "serve", "--model",
+         str(tiny_models["llama"]), "--port", str(free_port()), "--dashboard-history", str(bad_db)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "the dashboard history" in proc.stdout, (
+        proc.stdout + proc.stderr
+    )
