@@ -66,9 +66,7 @@ def test_each_request_gets_its_own_top_n(tiny_models: dict[str, Path]) -> None:
     d = tiny_models["llama"]
     prompts = mixed_prompts(3, seed=16, lo=8, hi=20)
     tops = [0, 1, 6]
-    params = [
-        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k) for k in tops
-    ]
+    params = [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k) for k in tops]
     with LLM(str(d), dtype="float32") as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert llm.get_stats()["num_steps"] == 1  # all three prefilled in one step

@@ -4,6 +4,12 @@ tiles and AVX-512 BF16 dot products, each tested where the CPU has it.
 Decode-like rows keep the decode kernel's bits; prompt rows are rounded to bf16 and
 multiplied by the path's dot products, and each row's result is independent of the
 other rows.
+
+Why they skip: the `prompt_path` tests run once per path the CPU has (AMX needs
+amx_tile + amx_bf16 and the avx512 ISA; the dot products avx512_bf16), and skip, naming
+the missing flag, elsewhere. Such a CPU never chooses that path at run time either
+(`prefill_amx` / `prefill_dpbf16`, whose choice is tested here on any CPU), so what
+skips is code that cannot run there.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import pytest
 import torch
 
 from laneserve.kernels import CpuKernels, TorchKernels
+from laneserve.kernels import build as kbuild
 from laneserve.kernels.build import DPBF16_CPU_FLAG, DPBF16_ENV, cpu_flags, prefill_dpbf16
 from tests.kernels.helpers import randn
 
@@ -47,10 +54,32 @@ def test_the_dot_product_path_needs_avx512_bf16_and_no_amx(
     has_flag = DPBF16_CPU_FLAG in (cpu_flags() or set())
     monkeypatch.delenv(DPBF16_ENV, raising=False)
     assert prefill_dpbf16("avx512", amx=False) == has_flag
+    # both answers on any machine: a CPU with the flag, and one without it
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw"}
+    monkeypatch.setattr(kbuild, "cpu_flags", lambda: avx512 | {DPBF16_CPU_FLAG})
+    assert prefill_dpbf16("avx512", amx=False)
+    assert not prefill_dpbf16("avx512", amx=True)
+    monkeypatch.setattr(kbuild, "cpu_flags", lambda: avx512)
+    assert not prefill_dpbf16("avx512", amx=False)
+    monkeypatch.setattr(kbuild, "cpu_flags", lambda: avx512 | {DPBF16_CPU_FLAG})
     assert not prefill_dpbf16("avx512", amx=True)  # AMX wins where both exist
     assert not prefill_dpbf16("avx2", amx=False)
     monkeypatch.setenv(DPBF16_ENV, "0")
     assert not prefill_dpbf16("avx512", amx=False)
+
+
+def test_the_amx_path_needs_amx_flags_and_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the AMX tests skip, the path is never chosen: both answers on any machine."""
+    monkeypatch.delenv(kbuild.AMX_ENV, raising=False)
+    base = {"avx2", "fma", "f16c", "avx512f", "avx512bw"}
+    monkeypatch.setattr(kbuild, "cpu_flags", lambda: base | kbuild.AMX_CPU_FLAGS)
+    assert kbuild.prefill_amx("avx512")
+    assert not kbuild.prefill_amx("avx2")  # the AMX kernel reads the avx512 layout
+    monkeypatch.setenv(kbuild.AMX_ENV, "0")
+    assert not kbuild.prefill_amx("avx512")
+    monkeypatch.delenv(kbuild.AMX_ENV)
+    monkeypatch.setattr(kbuild, "cpu_flags", lambda: base | {"amx_tile"})
+    assert not kbuild.prefill_amx("avx512")
 
 
 def bf16_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -151,6 +151,34 @@ def test_bfloat16_run_generates(deepseek_v4_model: Path) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for o in outs:
         assert o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == N
+    # the values: each prompt token's logprob against transformers' on the bf16-rounded
+    # weights (fp32 math). Under bf16 rounding this random model's decisive routing and
+    # indexer choices flip at some positions (nats apart there), so the bound is on the
+    # median: a wrong cast or cache write moves every position.
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    with LLM(str(deepseek_v4_model), dtype="bfloat16") as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    model = _bf16_rounded(str(deepseek_v4_model))
+    diffs = []
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.prompt_logprobs is not None
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1)
+        for pos in range(1, len(p)):
+            got = o.prompt_logprobs[pos][p[pos]].logprob
+            diffs.append(abs(got - ref[pos - 1, p[pos]].item()))
+    assert sorted(diffs)[len(diffs) // 2] < 0.5, sorted(diffs)
+
+
+@functools.cache
+def _bf16_rounded(d: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for w in model.parameters():
+            w.copy_(w.bfloat16().float())
+    return model
 
 
 def test_blocked_prefill_attention_matches_hf(

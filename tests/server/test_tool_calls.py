@@ -254,6 +254,10 @@ def test_history_with_calls_reaches_the_template(tiny: Server, model: Path) -> N
     ids = tok.apply_chat_template(rendered, True, tools=TOOLS)
     assert "<tool_response>\n18 C and sunny" in tok.decode(ids, False)
     assert second.usage.prompt_tokens == len(ids)
+    # and the answer is the model's greedy continuation of exactly that rendering
+    plain = tiny.client().completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0)
+    assert second.choices[0].message.content == plain.choices[0].text
+    assert second.usage.completion_tokens == plain.usage.completion_tokens >= 1
 
 
 @pytest.mark.parametrize(
