@@ -247,6 +247,8 @@ async def _serve(
         engine.tokenizer,
         tools,
     )
+    if await request.is_disconnected():  # NOTE: gone while it was prepared: not admitted
+        return Response(status_code=499)
     streams = await _admit(state, rid, prompts, params)
     if body.stream:
         return SSEResponse(_sse(state, ctx, streams), streams)
