@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes, auth, limits, errors.
 
-Completions and chat share one path: tokenize -> check the served model's
-limits -> AsyncLLM.submit per prompt (admitted or refused before any byte of
+Completions and chat share one path: prepare (tokenize, render the chat
+template, compile the grammar: `prepare.py`, on the `Offload` threads, never on
+the event loop) -> check the served model's limits -> AsyncLLM.submit per prompt (admitted or refused before any byte of
 the response: a full queue is a 503 for streams too) -> either collect (JSON)
 or stream (SSE, `data: [DONE]` at the end; a request that fails mid-stream
 gets an error event). A client that leaves aborts its requests: streams notice
@@ -253,6 +254,8 @@ async def _serve(
         tools,
         reasoning,
     )
+    if await request.is_disconnected():  # NOTE: gone while it was prepared: not admitted
+        return Response(status_code=499)
     streams = await _admit(state, rid, prompts, params)
     if body.stream:
         return SSEResponse(_sse(state, ctx, streams), streams)

@@ -46,6 +46,7 @@ class _Add:
     params: SamplingParams
     sink: Sink
     admit: Callable[[BaseException | None], None]
+    gone: threading.Event  # the caller left before admission: never admitted
 
 
 @dataclass
@@ -149,10 +150,12 @@ class AsyncLLM:
         def admit(error: BaseException | None) -> None:
             loop.call_soon_threadsafe(_settle, admitted, error)
 
-        self._commands.put(_Add(request_id, prompt_ids, params, sink, admit))
+        gone = threading.Event()
+        self._commands.put(_Add(request_id, prompt_ids, params, sink, admit, gone))
         try:
             await admitted
         except asyncio.CancelledError:
+            gone.set()
             self.abort(request_id)
             raise
         return RequestStream(self, request_id, q, params.n)
@@ -278,6 +281,8 @@ class AsyncLLM:
                 eng.abort(request_id)
             self._fail_all(cmd.error)
         elif isinstance(cmd, _Add):
+            if cmd.gone.is_set():
+                return  # NOTE: its caller left while it waited: nothing to admit
             try:
                 eng.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
             except Exception as e:

@@ -2,7 +2,10 @@
 
 llguidance compiles JSON schemas, regexes and Lark grammars lazily, token by
 token, so compiling needs no tokenizer and a request's grammar is checked on the
-host that receives it (a 400 there) before any worker sees it.
+host that receives it (a 400 there) before any worker sees it: first against
+the bounds of `limits.py` (cheap scans: the engine never sees a constraint over
+them), then compiled under `parser_limits()`. Both the JSON-schema translation
+and the validation are memoized by text; a panic of the engine is a ValueError.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ the request, so a constraint over a limit is a 400 naming that limit.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from typing import TYPE_CHECKING, Any
@@ -136,7 +137,7 @@ def _children(root: object, node: object) -> list[object]:
         return [v for v in node if isinstance(v, (dict, list))]
     if not isinstance(node, dict):
         return []
-    kids = [v for v in node.values() if isinstance(v, (dict, list))]
+    kids: list[object] = [v for v in node.values() if isinstance(v, (dict, list))]
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
         target = _pointer(root, ref[1:])
@@ -212,9 +213,9 @@ def _check_nesting(text: str) -> None:
 def regex_expansion(pattern: str) -> int:
     """The regex's size with every bounded repetition unrolled (an unbounded one
     counts its minimum); its length when Python's parser does not read it."""
-    import re._constants as c
-    import re._parser as sre
-
+    # NOTE: CPython's own regex parser (private modules, no type stubs)
+    c: Any = importlib.import_module("re._constants")
+    sre: Any = importlib.import_module("re._parser")
     try:
         tree = sre.parse(pattern)
     except (re.error, RecursionError, OverflowError):

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import Server, start_server, stop_server
+from tests.server.conftest import Server, start_server, stop_server, wait_for
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
@@ -241,4 +241,46 @@ def test_chat_template_failures_are_400(srv: Server, template: str) -> None:
     r = srv.post(CHAT, {"messages": USER, "max_tokens": 1, "chat_template": template})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "chat_template"
+    srv.greedy()
+
+
+def _gauges(server: Server) -> tuple[float, float, float]:
+    m = server.metrics()
+    return (
+        m["vllm:num_requests_running"],
+        m["vllm:num_requests_waiting"],
+        m["vllm:kv_cache_usage_perc"],
+    )
+
+
+def test_an_abort_storm_drains_to_nothing(srv: Server) -> None:
+    """200 streaming clients leave at once (most still queued or not yet admitted):
+    running, waiting and KV usage all return to 0. The wait is bounded generously
+    (10 s; the drain itself takes a few engine steps) so a busy machine cannot flake it."""
+    import asyncio
+
+    body = {"prompt": "The old lighthouse", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    started = 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal started
+        async with http.stream("POST", f"{srv.url}{CMPL}", json=body) as r:
+            async for _ in r.aiter_lines():
+                started += 1
+                await asyncio.sleep(3600)  # a client that stays until it leaves
+
+    async def storm() -> None:
+        limits = httpx.Limits(max_connections=300)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            tasks = [asyncio.create_task(client(http)) for _ in range(200)]
+            deadline = time.monotonic() + 60
+            while started < 16 and time.monotonic() < deadline:  # the running set is full
+                await asyncio.sleep(0.05)
+            for t in tasks:  # all at once
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    assert _gauges(srv) == (0, 0, 0)
+    asyncio.run(storm())
+    wait_for(lambda: _gauges(srv) == (0, 0, 0), "running / waiting / KV back to 0", 10.0)
     srv.greedy()

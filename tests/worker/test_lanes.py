@@ -32,9 +32,9 @@ from laneserve.protocol import (
 )
 from laneserve.sampling_params import SamplingParams
 from laneserve.structured.matchers import GrammarBook
+from laneserve.worker.failures import Rejections
 from laneserve.worker.input_batch import InputSlot
 from laneserve.worker.lanes import Lanes
-from laneserve.worker.failures import Rejections
 from laneserve.worker.worker import PendingStep, Worker
 
 HOLD_S = 10.0  # how long a held stage waits for its partner (a correct run never waits it out)

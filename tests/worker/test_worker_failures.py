@@ -38,7 +38,7 @@ def script() -> list[StepCommand | bytes]:
         StepCommand(0, [s1, s2], [n1, n2]),
         StepCommand(1, [decode(1), decode(2)]),  # its device step fails
         StepCommand(2, [decode(1)], finished=[2]),  # fails, and releases request 2
-        StepCommand(3, [ScheduledRequest(99, 1, 4, decode=True)], finished=[1]),  # unknown: fails alone
+        StepCommand(3, [ScheduledRequest(99, 1, 4, decode=True)], finished=[1]),  # unknown
         b"\xc1 not msgpack",
         StepCommand(5, [s3], [n3]),  # the worker still serves
     ]
