@@ -8,7 +8,7 @@ host that receives it (a 400 there) before any worker sees it.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import llguidance
 from llguidance import LLMatcher
@@ -16,12 +16,25 @@ from llguidance import LLMatcher
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-    from laneserve.structured.params import StructuredOutputsParams
-
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def grammar_text(p: StructuredOutputsParams) -> str:
+class Constraint(Protocol):
+    """The fields of a constraint this module reads (`params.StructuredOutputsParams`)."""
+
+    json: str | dict[str, Any] | None
+    regex: str | None
+    choice: list[str] | None
+    grammar: str | None
+    json_object: bool | None
+    disable_any_whitespace: bool
+    whitespace_pattern: str | None
+
+    @property
+    def kind(self) -> str: ...
+
+
+def grammar_text(p: Constraint) -> str:
     """The llguidance grammar for `p` (ValueError for a malformed JSON schema string)."""
     if p.json is not None or p.json_object:
         schema = p.json if p.json is not None else ANY_JSON_OBJECT
@@ -37,7 +50,7 @@ def grammar_text(p: StructuredOutputsParams) -> str:
     return llguidance.grammar_from("grammar", p.grammar)
 
 
-def check(p: StructuredOutputsParams) -> None:
+def check(p: Constraint) -> None:
     """ValueError naming what is wrong when `p` does not compile."""
     try:
         text = grammar_text(p)
@@ -58,7 +71,7 @@ def _parse_schema(text: str) -> dict[str, Any]:
     return schema
 
 
-def _json_options(p: StructuredOutputsParams) -> JsonCompileOptions:
+def _json_options(p: Constraint) -> JsonCompileOptions:
     options: JsonCompileOptions = {"whitespace_flexible": not p.disable_any_whitespace}
     if p.whitespace_pattern is not None:
         options["whitespace_pattern"] = p.whitespace_pattern

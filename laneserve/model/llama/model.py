@@ -8,24 +8,19 @@ HF-named state dict.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from laneserve.core.kv_cache_manager import CacheGroupSpec
+from laneserve.kernels import Kernels
+from laneserve.kernels.quant import cat_rows
+from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.arch import ArchConfig
-from laneserve.model.attention import AttentionMetadata, Kernels, paged_attention
-from laneserve.model.layers import (
-    DecoderStack,
-    GatedMLP,
-    Linear,
-    RMSNorm,
-    Rotary,
-    cat_rows,
-    linear_weight,
-)
-
-WeightGetter = Callable[[str], torch.Tensor]
+from laneserve.model.layers.attention import AttentionMetadata, paged_attention
+from laneserve.model.layers.decoder_stack import DecoderStack
+from laneserve.model.layers.linear import Linear, linear_weight
+from laneserve.model.layers.mlp import GatedMLP
+from laneserve.model.layers.norm import RMSNorm
+from laneserve.model.layers.rope import Rotary
+from laneserve.model.layers.weights import WeightGetter
 
 
 class DecoderLayer:
