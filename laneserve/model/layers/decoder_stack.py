@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from laneserve.model.interface import PAGED
 from laneserve.model.layers.linear import Linear
 from laneserve.model.layers.norm import RMSNorm
+from laneserve.model.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 class DecoderStack:
@@ -30,9 +31,12 @@ class DecoderStack:
         Any
     ]  # each: .input_norm (RMSNorm), called (pos, hidden, residual, cache, meta)
     norm: RMSNorm
-    lm_head: Linear
+    lm_head: Linear | ParallelLMHead
+    vocab_embed: VocabParallelEmbedding | None = None  # tensor parallel: this rank's rows
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_embed is not None:
+            return self.vocab_embed(input_ids).to(self.act_dtype)
         return F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
 
     def forward(
