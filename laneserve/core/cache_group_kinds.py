@@ -1,4 +1,4 @@
-"""Cache-group kinds beyond full attention, and the factory the manager uses.
+"""The cache-group kinds' block managers, and the factory the manager uses.
 
 ```
  positions      0   4   8   12  16  20  24  28  32  36  40   (block_size 4)
@@ -18,10 +18,59 @@ their meaning; the worker's table keeps the old ids, which no read reaches.
 
 from __future__ import annotations
 
-from laneserve.core.block_pool import BlockPool, KVBlock
-from laneserve.core.kv_cache_manager import FullAttentionGroup
+from laneserve.core.block_pool import BlockHash, BlockPool, KVBlock
+from laneserve.kv_cache_interface import COMPRESSED, FULL_ATTENTION, KINDS, SLIDING_WINDOW
 
-KINDS = ("full_attention", "sliding_window", "compressed")
+
+class FullAttentionGroup:
+    """Every token position keeps its block until the request is freed."""
+
+    def __init__(self, block_size: int, pool: BlockPool) -> None:
+        self.block_size = block_size
+        self.pool = pool
+        self.blocks: dict[int, list[KVBlock]] = {}  # handle -> block list
+        self.num_cached: dict[int, int] = {}  # handle -> leading blocks published
+
+    def find_hit(self, hashes: list[BlockHash]) -> list[KVBlock]:
+        hit = []
+        for h in hashes:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def num_blocks_needed(self, handle: int, num_tokens: int, num_new_computed: int) -> int:
+        have = len(self.blocks.get(handle, ())) + num_new_computed
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def allocate(self, handle: int, hit: list[KVBlock], n_new: int) -> list[int]:
+        blocks = self.blocks.setdefault(handle, [])
+        if hit:
+            self.pool.touch(hit)
+            blocks.extend(hit)
+            self.num_cached[handle] = len(blocks)
+        new = self.pool.get_new_blocks(n_new)
+        blocks.extend(new)
+        return [b.block_id for b in hit] + [b.block_id for b in new]
+
+    def cache(self, handle: int, hashes: list[BlockHash], num_full_blocks: int) -> None:
+        blocks = self.blocks.get(handle, [])
+        start = self.num_cached.get(handle, 0)
+        for i in range(start, min(num_full_blocks, len(blocks), len(hashes))):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached[handle] = max(start, min(num_full_blocks, len(blocks)))
+
+    def trim(self, handle: int, num_computed: int) -> None:
+        """Full attention keeps every block (other kinds free what no query reads)."""
+
+    def free(self, handle: int) -> None:
+        blocks = self.blocks.pop(handle, [])
+        self.num_cached.pop(handle, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, handle: int) -> list[int]:
+        return [b.block_id for b in self.blocks.get(handle, ())]
 
 
 class SlidingWindowGroup(FullAttentionGroup):
@@ -66,8 +115,8 @@ class SlidingWindowGroup(FullAttentionGroup):
 def make_group(
     kind: str, block_size: int, pool: BlockPool, window: int, lookahead: int
 ) -> FullAttentionGroup:
-    if kind in ("full_attention", "compressed"):
+    if kind in (FULL_ATTENTION, COMPRESSED):
         return FullAttentionGroup(block_size, pool)
-    if kind == "sliding_window":
+    if kind == SLIDING_WINDOW:
         return SlidingWindowGroup(block_size, pool, window, lookahead)
     raise ValueError(f"unknown cache group kind {kind!r}; known: {list(KINDS)}")

@@ -1,6 +1,6 @@
 """KV cache manager: prefix lookup, slot allocation and freeing, per cache group.
 
-A model declares one or more *cache groups* (`CacheGroupSpec`): layers that
+A model declares one or more *cache groups* (`kv_cache_interface.CacheGroupSpec`): layers that
 share a block layout and a block table. Each group has its own block pool and
 a manager for its kind: full attention (every position keeps its KV), and the
 kinds of `cache_group_kinds.py` (a sliding window that frees blocks behind it, a
@@ -12,109 +12,15 @@ compressed stream with one entry per m tokens). Each has the same methods
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
 
 from laneserve.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block
+from laneserve.core.cache_group_kinds import make_group
 from laneserve.core.request import Request
+from laneserve.kv_cache_interface import FULL_ATTENTION
 
 log = logging.getLogger(__name__)
 
 BlockIds = tuple[list[int], ...]  # one list per cache group
-
-
-@dataclass(frozen=True)
-class CacheGroupSpec:
-    """A group's block layout.
-
-    An *entry* is what the group stores for `tokens_per_entry` token positions in one
-    layer: `tensors_per_entry` tensors (K and V: 2; one MLA latent: 1) of `entry_shape`
-    values each. A block holds `block_size` token positions of every layer of the group.
-
-    ```
-     full attention   2 x [num_kv_heads, head_dim]            per token, per layer
-     MLA latent       1 x [1, kv_lora_rank + qk_rope_head_dim] per token, per layer
-    ```
-    """
-
-    name: str
-    kind: str  # "full_attention", "sliding_window" or "compressed"
-    block_size: int  # token positions per block (compressed: block entries x tokens_per_entry)
-    num_layers: int
-    tensors_per_entry: int
-    entry_shape: tuple[int, ...]
-    dtype_bytes: int
-    tokens_per_entry: int = 1
-    window: int = 0  # sliding_window: positions a query reads behind itself (incl. itself)
-
-    @property
-    def values_per_entry(self) -> int:
-        return math.prod(self.entry_shape)
-
-    @property
-    def entries_per_block(self) -> int:
-        return -(-self.block_size // self.tokens_per_entry)
-
-    @property
-    def bytes_per_block(self) -> int:
-        # every tensor of every layer of the group
-        per_entry = self.tensors_per_entry * self.values_per_entry * self.dtype_bytes
-        return self.num_layers * self.entries_per_block * per_entry
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.bytes_per_block / self.block_size
-
-
-class FullAttentionGroup:
-    """Every token position keeps its block until the request is freed."""
-
-    def __init__(self, block_size: int, pool: BlockPool) -> None:
-        self.block_size = block_size
-        self.pool = pool
-        self.blocks: dict[int, list[KVBlock]] = {}  # handle -> block list
-        self.num_cached: dict[int, int] = {}  # handle -> leading blocks published
-
-    def find_hit(self, hashes: list[BlockHash]) -> list[KVBlock]:
-        hit = []
-        for h in hashes:
-            block = self.pool.get_cached_block(h)
-            if block is None:
-                break
-            hit.append(block)
-        return hit
-
-    def num_blocks_needed(self, handle: int, num_tokens: int, num_new_computed: int) -> int:
-        have = len(self.blocks.get(handle, ())) + num_new_computed
-        return max(0, -(-num_tokens // self.block_size) - have)
-
-    def allocate(self, handle: int, hit: list[KVBlock], n_new: int) -> list[int]:
-        blocks = self.blocks.setdefault(handle, [])
-        if hit:
-            self.pool.touch(hit)
-            blocks.extend(hit)
-            self.num_cached[handle] = len(blocks)
-        new = self.pool.get_new_blocks(n_new)
-        blocks.extend(new)
-        return [b.block_id for b in hit] + [b.block_id for b in new]
-
-    def cache(self, handle: int, hashes: list[BlockHash], num_full_blocks: int) -> None:
-        blocks = self.blocks.get(handle, [])
-        start = self.num_cached.get(handle, 0)
-        for i in range(start, min(num_full_blocks, len(blocks), len(hashes))):
-            self.pool.cache_block(blocks[i], hashes[i])
-        self.num_cached[handle] = max(start, min(num_full_blocks, len(blocks)))
-
-    def trim(self, handle: int, num_computed: int) -> None:
-        """Full attention keeps every block (other kinds free what no query reads)."""
-
-    def free(self, handle: int) -> None:
-        blocks = self.blocks.pop(handle, [])
-        self.num_cached.pop(handle, None)
-        self.pool.free_blocks(reversed(blocks))
-
-    def block_ids(self, handle: int) -> list[int]:
-        return [b.block_id for b in self.blocks.get(handle, ())]
 
 
 class KVCacheManager:
@@ -136,13 +42,11 @@ class KVCacheManager:
         windows: list[int] | None = None,
         lookahead: int = 0,
     ) -> None:
-        from laneserve.core.cache_group_kinds import make_group
-
-        if enable_caching and any(k != "full_attention" for k in kinds):
+        if enable_caching and any(k != FULL_ATTENTION for k in kinds):
             log.info(
                 "prefix caching is off: cache groups of kinds %s keep no per-token KV "
                 "for every position of a prefix",
-                sorted({k for k in kinds if k != "full_attention"}),
+                sorted({k for k in kinds if k != FULL_ATTENTION}),
             )
             enable_caching = False
         self.block_size = block_size

@@ -125,7 +125,7 @@ class Kernels(Protocol):
         rms_eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A hyper-connection's weights from N residual streams (DeepSeek V4; formulas in
-        model/deepseek_v4_ops.py): streams [T, N, H] float32 / bfloat16 (contiguous), fn
+        model/deepseek_v4/ops.py): streams [T, N, H] float32 / bfloat16 (contiguous), fn
         [(2 + N) N, N H], base [(2 + N) N] and scale [3] float32; ``iters`` Sinkhorn
         rounds. Returns post [T, N] and comb [T, N, N] float32, and the streams collapsed
         by the pre weights [T, H] in the streams' dtype. All fp32. Per token."""

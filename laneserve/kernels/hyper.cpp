@@ -1,6 +1,6 @@
 // Hyper-connections (DeepSeek V4): the per-token mixing around each attention / FFN
 // sublayer, one fused pass per token instead of ~100 small torch ops (the Sinkhorn loop
-// alone is ~80 per call). Formulas: laneserve/model/deepseek_v4_ops.py's module notes.
+// alone is ~80 per call). Formulas: laneserve/model/deepseek_v4/ops.py's module notes.
 //
 // hyper_pre:  streams [T, N, H] -> post [T, N], comb [T, N, N] (fp32), collapsed [T, H]
 // hyper_post: streams, out [T, H], post, comb -> new streams [T, N, H]

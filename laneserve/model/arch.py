@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from laneserve.model.deepseek_v4_config import DeepseekV4ConfigError, DeepseekV4Params
+from laneserve.model.deepseek_v4.config import DeepseekV4ConfigError, DeepseekV4Params
 
 log = logging.getLogger(__name__)
 

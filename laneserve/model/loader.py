@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from laneserve.kernels.quant import QuantWeight
-from laneserve.model import fp8
 from laneserve.model.arch import SUPPORTED_ARCHITECTURES, ArchConfig
 from laneserve.model.gguf import converted_dir
 from laneserve.model.gguf_native import GgufQuantWeights
+from laneserve.model.layers import fp8
 
 if TYPE_CHECKING:
     from safetensors import safe_open
@@ -140,7 +140,8 @@ class WeightStore:
 
     Each tensor is checked (present, expected shape where known, finite) and
     returned on `device`: norms and biases in `act_dtype`, matrices in the
-    weight dtype.
+    weight dtype. `expected` holds the shapes config.json fixes (the family's
+    `weight_shapes`; `registry.open_weights` passes them).
     """
 
     def __init__(
@@ -149,6 +150,7 @@ class WeightStore:
         device: torch.device,
         act_dtype: torch.dtype,
         file: Path | None = None,  # one separate file (e.g. MTP draft weights)
+        expected: dict[str, tuple[int, ...]] | None = None,  # name -> shape
     ) -> None:
         from safetensors import safe_open
 
@@ -168,15 +170,14 @@ class WeightStore:
                 self._files[file_name] = safe_open(str(self.directory / file_name), framework="pt")
             except Exception as e:
                 raise ModelLoadError(f"cannot open {self.directory / file_name}: {e}") from None
-        from laneserve.model.registry import family_for  # the families import this module
-
-        self.expected = family_for(ckpt.arch).weight_shapes(ckpt.arch)
+        self.expected = expected or {}
         self.quantized: GgufQuantWeights | None = None
         if ckpt.gguf_quantized is not None and file is None:
             self.quantized = GgufQuantWeights(
                 ckpt.gguf_quantized, _read_config(ckpt.directory), ckpt.gguf_activations
             )
         self.loaded = 0
+        self.bytes_read = 0  # tensor bytes read from the files (a rank's shards: its slices)
         self._start = time.perf_counter()
 
     @staticmethod
@@ -202,6 +203,10 @@ class WeightStore:
                 raise ModelLoadError(f"cannot open {directory / name}: {e}") from None
         return index
 
+    def sibling(self, file: Path) -> WeightStore:
+        """A store over one separate file (e.g. MTP draft weights), checked alike."""
+        return WeightStore(self.ckpt, self.device, self.act_dtype, file, self.expected)
+
     def has(self, name: str) -> bool:
         return name in self._index
 
@@ -211,11 +216,27 @@ class WeightStore:
             out.update(f.metadata() or {})
         return out
 
-    def _read(self, file: str, name: str) -> torch.Tensor:
+    def _read(self, file: str, name: str, part: tuple[slice, ...] | None = None) -> torch.Tensor:
         try:
-            return self._files[file].get_tensor(name)
+            f = self._files[file]
+            tensor = f.get_tensor(name) if part is None else f.get_slice(name)[part]
         except Exception as e:
             raise ModelLoadError(f"tensor {name!r} in {file} is corrupt: {e}") from None
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def shard(
+        self, name: str, dim: int, start: int, length: int, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, start + length) of the checked tensor
+        `name`, reading only those bytes (a tensor-parallel rank's slice)."""
+        file = self._index.get(name)
+        if file is None or self._scale_companion(name) is not None or self.ckpt.fp8_block:
+            return self(name, dtype).narrow(dim, start, length).contiguous()  # NOTE: whole
+        shape = tuple(self._files[file].get_slice(name).get_shape())
+        self._check_shape(name, shape)
+        part = (slice(None),) * dim + (slice(start, start + length),)
+        return self._finish(name, file, self._read(file, name, part), dtype)
 
     def _scale_companion(self, name: str) -> str | None:
         """`<stem>.scale` of a `<stem>.weight` (the DeepSeek V4 release format), if any."""
@@ -270,11 +291,19 @@ class WeightStore:
             tensor.dtype == torch.int8 and self._scale_companion(name) is not None
         ):
             tensor = self._dequantize(name, tensor)
+        self._check_shape(name, tuple(tensor.shape))
+        return self._finish(name, file, tensor, dtype)
+
+    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         want = self.expected.get(name)
-        if want is not None and tuple(tensor.shape) != want:
+        if want is not None and shape != want:
             raise ModelLoadError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} from config.json"
+                f"tensor {name!r} has shape {shape}, expected {want} from config.json"
             )
+
+    def _finish(
+        self, name: str, file: str, tensor: torch.Tensor, dtype: torch.dtype | None
+    ) -> torch.Tensor:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ModelLoadError(f"tensor {name!r} in {file} contains NaN or Inf")
         if dtype is None:

@@ -1,10 +1,10 @@
 """Model registry: HF `architectures` value -> the family that runs it.
 
-A family names its model class (`forward(ids, positions, meta, caches)`,
-`compute_logits`, `embed`), its cache groups (`CacheGroupSpec`: the layout the
-worker allocates and the engine core accounts), the tensor shapes config.json
-fixes (checked at load), and how its MTP draft layer is loaded. Adding a family
-is one model file and one entry here.
+A family names its model class (a `model/interface.py` `CausalLM`), its cache
+groups (`CacheGroupSpec`: the layout the worker allocates and the engine core
+accounts), the tensor shapes config.json fixes (checked at load, `open_weights`),
+and how its MTP draft head (a `DraftHead`) is loaded. Adding a family is one
+package under `model/` and one entry here.
 """
 
 from __future__ import annotations
@@ -15,10 +15,16 @@ from typing import Any
 
 import torch
 
-from laneserve.core.kv_cache_manager import CacheGroupSpec
-from laneserve.model import deepseek, deepseek_v4, llama
+from laneserve.kernels import Kernels
+from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.arch import ArchConfig, UnsupportedModelError
-from laneserve.model.layers import Kernels
+from laneserve.model.deepseek import model as deepseek
+from laneserve.model.deepseek.mtp import load_deepseek_mtp
+from laneserve.model.deepseek_v4 import model as deepseek_v4
+from laneserve.model.deepseek_v4.mtp import load_deepseek_v4_mtp
+from laneserve.model.llama import model as llama
+from laneserve.model.llama.mtp import load_mtp_head
+from laneserve.model.loader import Checkpoint, WeightStore
 
 # (arch, block_size, dtype_bytes, mtp_layers) -> groups; the target's group comes first
 CacheGroupsFn = Callable[[ArchConfig, int, int, int], list[CacheGroupSpec]]
@@ -46,8 +52,6 @@ def _llama_mtp(
     known_name: str | None,
     quantize: str | None,
 ) -> Any:
-    from laneserve.model.mtp import load_mtp_head  # imports the loader, which imports us
-
     return load_mtp_head(store, model, kernels, draft_weights, known_name, quantize)
 
 
@@ -59,8 +63,6 @@ def _deepseek_mtp(
     known_name: str | None,
     quantize: str | None,
 ) -> Any:
-    from laneserve.model.deepseek_mtp import load_deepseek_mtp
-
     return load_deepseek_mtp(store, model, kernels, draft_weights, quantize)
 
 
@@ -72,8 +74,6 @@ def _deepseek_v4_mtp(
     known_name: str | None,
     quantize: str | None,
 ) -> Any:
-    from laneserve.model.deepseek_v4_mtp import load_deepseek_v4_mtp
-
     return load_deepseek_v4_mtp(store, model, kernels, draft_weights, quantize)
 
 
@@ -111,6 +111,12 @@ def family_for(arch: ArchConfig) -> ModelFamily:
         if arch.architecture in family.architectures:
             return family
     raise UnsupportedModelError(f"no model family runs {arch.architecture!r}")
+
+
+def open_weights(ckpt: Checkpoint, device: torch.device, act_dtype: torch.dtype) -> WeightStore:
+    """The checkpoint's weight store, checking tensor shapes against its family's."""
+    shapes = family_for(ckpt.arch).weight_shapes(ckpt.arch)
+    return WeightStore(ckpt, device, act_dtype, expected=shapes)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

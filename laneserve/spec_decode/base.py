@@ -15,8 +15,7 @@ from typing import Protocol
 
 import torch
 
-from laneserve.model.attention import AttentionMetadata
-from laneserve.model.deepseek_v4_attention import V4StepMetadata
+from laneserve.model.layers.attention import AttentionMetadata, TokenTableMetadata
 
 
 class DraftSlots(Protocol):
@@ -39,7 +38,7 @@ class StepView:
     positions: torch.Tensor  # [T]
     hidden: torch.Tensor  # [T, H] target normed hidden ([T, N * H] streams for DeepSeek V4)
     # the step's attention metadata for the MTP cache group (V4: its table per token)
-    meta_mtp: AttentionMetadata | V4StepMetadata | None
+    meta_mtp: AttentionMetadata | TokenTableMetadata | None
     # [Rs, W + 1] MTP block table rows (last column: scratch); None at depth 1 (k = 1 or a
     # depth-1 tree), where no draft goes past the first position
     mtp_table: torch.Tensor | None

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from laneserve.model.attention import AttentionMetadata
-from laneserve.model.deepseek_v4_attention import V4StepMetadata
-from laneserve.model.deepseek_v4_mtp import DeepseekV4MtpHead
-from laneserve.model.mtp import MtpHead
+from laneserve.model.interface import TOKEN_TABLES, DraftHead, single_group_tables
+from laneserve.model.layers.attention import AttentionMetadata, TokenTableMetadata
 from laneserve.spec_decode.base import DraftSlots, Proposer, StepView
 from laneserve.spec_decode.ngram import NgramProposer
 
@@ -36,7 +34,7 @@ __all__ = ["MtpProposer", "NgramProposer", "Proposer", "StepView"]
 class MtpProposer:
     def __init__(
         self,
-        head: MtpHead | DeepseekV4MtpHead,
+        head: DraftHead,  # the target's MTP head (model/interface.py)
         k: int,
         kv_cache: tuple[torch.Tensor, ...],  # (K, V), or (latent,) for MLA
         block_size: int,
@@ -53,7 +51,7 @@ class MtpProposer:
             next_tokens,
             view.hidden,
             view.positions,
-            view.meta_mtp,  # type: ignore[arg-type]  # the head's own kind (see StepView)
+            view.meta_mtp,  # the head's own kind (see StepView)
             self.kv_cache,
         )
         if view.slots.numel() == 0:
@@ -85,16 +83,16 @@ class MtpProposer:
         for _ in range(self.k - 1):
             pos = pos + 1
             meta = self._single_token_meta(table, pos, bound)
-            h = self.head.forward(token, h, pos, meta, self.kv_cache)  # type: ignore[arg-type]
+            h = self.head.forward(token, h, pos, meta, self.kv_cache)
             token = self.head.draft(h)[:, 0]
             drafts.append(token[:, None])
         return torch.cat(drafts, dim=1)
 
     def _single_token_meta(
         self, table: torch.Tensor, pos: torch.Tensor, bound: int
-    ) -> AttentionMetadata | V4StepMetadata:
-        if isinstance(self.head, DeepseekV4MtpHead):  # NOTE: V4 reads a table per token
-            return self.head.step_metadata(table, bound)
+    ) -> AttentionMetadata | TokenTableMetadata:
+        if self.head.step_kind == TOKEN_TABLES:  # NOTE: it reads a table per token
+            return single_group_tables(table, bound)
         bs = self.block_size
         col = torch.div(pos, bs, rounding_mode="floor").clamp(max=table.shape[1] - 1)
         block = table.gather(1, col[:, None]).squeeze(1)

@@ -17,17 +17,16 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 from llguidance import LLMatcher, LLParserLimits
 
+from laneserve.structured.constraint import Constraint
 from laneserve.structured.limits import check_limits
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-    from laneserve.structured.params import StructuredOutputsParams
-
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def grammar_text(p: StructuredOutputsParams) -> str:
+def grammar_text(p: Constraint) -> str:
     """The llguidance grammar for `p` (ValueError for a malformed JSON schema string)."""
     if p.json is not None or p.json_object:
         schema = p.json if p.json is not None else ANY_JSON_OBJECT
@@ -55,7 +54,7 @@ def parser_limits() -> LLParserLimits:
     return LLParserLimits(max_grammar_size=MAX_GRAMMAR_SYMBOLS, verbose_errors=False)
 
 
-def check(p: StructuredOutputsParams) -> None:
+def check(p: Constraint) -> None:
     """ValueError naming what is wrong when `p` is over a limit or does not compile.
 
     The compile is memoized by the grammar's text (a repeated schema is free)."""
@@ -100,7 +99,7 @@ def _parse_schema(text: str) -> dict[str, Any]:
     return schema
 
 
-def _json_options(p: StructuredOutputsParams) -> JsonCompileOptions:
+def _json_options(p: Constraint) -> JsonCompileOptions:
     options: JsonCompileOptions = {"whitespace_flexible": not p.disable_any_whitespace}
     if p.whitespace_pattern is not None:
         options["whitespace_pattern"] = p.whitespace_pattern

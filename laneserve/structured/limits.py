@@ -23,10 +23,9 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from laneserve.structured.params import StructuredOutputsParams
+from laneserve.structured.constraint import Constraint
 
 MAX_SOURCE_BYTES = 256 * 1024
 MAX_SCHEMA_NODES = 4096
@@ -48,7 +47,7 @@ class LimitError(ValueError):
     """A constraint over one of the limits above (the message names it)."""
 
 
-def check_limits(p: StructuredOutputsParams) -> None:
+def check_limits(p: Constraint) -> None:
     """LimitError when `p` is over a limit (the types are already checked)."""
     if p.json is not None:
         _check_schema(p.json)

@@ -1,4 +1,4 @@
-"""The MTP head as a trainable torch module: the same math as `model/mtp.py`
+"""The MTP head as a trainable torch module: the same math as `model/llama/mtp.py`
 (which runs it on the paged cache with the inference kernels), written with
 autograd ops over whole padded sequences with causal attention."""
 
@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from laneserve.model.arch import ArchConfig
-from laneserve.model.loader import Checkpoint, WeightStore
-from laneserve.model.mtp import mtp_prefix
+from laneserve.model.llama.mtp import mtp_prefix
+from laneserve.model.loader import Checkpoint
+from laneserve.model.registry import open_weights
 
 _LAYER = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -61,7 +62,7 @@ class MtpTrainModule(nn.Module):
     @staticmethod
     def from_base(ckpt: Checkpoint, model: object) -> MtpTrainModule:
         del model
-        store = WeightStore(ckpt, torch.device("cpu"), torch.float32)
+        store = open_weights(ckpt, torch.device("cpu"), torch.float32)
         arch = ckpt.arch
 
         def get(name: str) -> torch.Tensor:

@@ -13,7 +13,8 @@ values into their first rows, and padding fills the rest:
 The bucket's outputs (the hidden states) are overwritten by the bucket's next replay;
 the device lane reads them within the step, before the next replay. `GraphBuckets`
 holds what every model's buckets share; `DecodeGraphs` is the one-cache-group models'
-(Llama family, DeepSeek V2 / V3), `cuda_graphs_v4.py` DeepSeek V4's.
+(step kind `paged`: Llama family, DeepSeek V2 / V3), `cuda_graphs_tables.py` those of
+the models that read every group through per-token tables (`token_tables`: DeepSeek V4).
 
 A bucket is captured the first time a step uses it: one warm-up run (cuBLAS picks and
 allocates its workspaces outside the capture), then the capture, in one memory pool
@@ -37,8 +38,8 @@ from typing import Any
 import torch
 
 from laneserve.kernels.torch_attention import GATHERED_MAX_QUERIES_PER_SEQ
-from laneserve.model.attention import AttentionMetadata
-from laneserve.model.layers import DecoderStack
+from laneserve.model.interface import CausalLM
+from laneserve.model.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -208,11 +209,11 @@ def padding_tokens(key: Bucket, device: torch.device) -> tuple[torch.Tensor, tor
 
 
 class DecodeGraphs(GraphBuckets):
-    """A `DecoderStack`'s (Llama family, DeepSeek V2 / V3) decode steps: one cache group."""
+    """A `paged` model's (Llama family, DeepSeek V2 / V3) decode steps: one cache group."""
 
     def __init__(
         self,
-        model: DecoderStack,
+        model: CausalLM,  # of step kind paged
         caches: list[tuple[torch.Tensor, ...]],  # the target's layers (group 0)
         block_size: int,
         scratch_block: int,  # the main group's padding block
@@ -220,7 +221,8 @@ class DecodeGraphs(GraphBuckets):
         max_columns: int,  # block-table columns of the longest request (padding included)
         capture: bool = True,  # False: run the padded forward eagerly (CPU tests)
     ) -> None:
-        super().__init__(model.embed_tokens.device, block_size, max_rows, (max_columns,), capture)
+        device = caches[0][0].device  # the model's, as every cache tensor
+        super().__init__(device, block_size, max_rows, (max_columns,), capture)
         self.model = model
         self.caches = caches
         self.block_size = block_size

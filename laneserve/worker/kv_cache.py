@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from laneserve.core.kv_cache_manager import CacheGroupSpec
+from laneserve.kv_cache_interface import CacheGroupSpec
 
 DEFAULT_KV_CACHE_GIB = 2.0
 

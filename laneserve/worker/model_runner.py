@@ -21,12 +21,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from laneserve.model.attention import AttentionMetadata, PrefillSpan
-from laneserve.model.deepseek import DeepseekModel
-from laneserve.model.deepseek_v4 import DeepseekV4Model
-from laneserve.model.deepseek_v4_attention import V4StepMetadata
-from laneserve.model.deepseek_v4_mtp import DeepseekV4MtpHead
-from laneserve.model.llama import LlamaModel
+from laneserve.model.interface import PAGED, TOKEN_TABLES, CausalLM, single_group_tables
+from laneserve.model.layers.attention import AttentionMetadata, PrefillSpan, TokenTableMetadata
 from laneserve.protocol import RequestError, StepResult
 from laneserve.sample.step import Drafts, SampledStep, TreeRows, sample_step
 from laneserve.spec_decode.base import Proposer, StepView
@@ -34,14 +30,12 @@ from laneserve.spec_decode.proposers import MtpProposer
 from laneserve.structured.matchers import GrammarBook, MaskRow
 from laneserve.worker import prompt_logprobs, side_rows, step_outputs
 from laneserve.worker.cuda_graphs import DecodeGraphs
-from laneserve.worker.cuda_graphs_v4 import V4DecodeGraphs
+from laneserve.worker.cuda_graphs_tables import TokenTableDecodeGraphs
 from laneserve.worker.input_batch import SlotTable
 from laneserve.worker.kv_cache import KvCache
 from laneserve.worker.side_rows import KvStack, SideStep
 from laneserve.worker.step_inputs import StepInputs
 from laneserve.worker.step_outputs import DeviceOutputs
-
-Model = LlamaModel | DeepseekModel | DeepseekV4Model
 
 
 class DeviceState:
@@ -89,7 +83,7 @@ class _Forward:
 class ModelRunner:
     def __init__(
         self,
-        model: Model,
+        model: CausalLM,
         kv: KvCache,  # the paged cache: per group, per layer tensors (group 0: the target's)
         block_size: int,
         slots: SlotTable,
@@ -100,7 +94,7 @@ class ModelRunner:
         proposer: Proposer | None = None,
         side_width: int = 0,  # alternatives per speculative row (token tree)
         grammars: GrammarBook | None = None,  # structured output's matchers
-        graphs: DecodeGraphs | V4DecodeGraphs | None = None,  # CUDA graphs of decode steps
+        graphs: DecodeGraphs | TokenTableDecodeGraphs | None = None,  # CUDA graphs of decode steps
     ) -> None:
         self.model = model
         self.kv_caches = kv.layers  # per group, per layer: (K, V) or (latent,)
@@ -238,11 +232,12 @@ class ModelRunner:
     ) -> _Forward:
         """The target's forward over the step's tokens, and its side rows if any."""
         if inp.spec.side is None:
-            v4 = isinstance(self.model, DeepseekV4Model)  # it reads every cache group
-            step = self._all_groups(inp) if v4 else meta
+            tables = self.model.step_kind == TOKEN_TABLES  # it reads every cache group
+            step = self._all_groups(inp) if tables else meta
             out = self._graphed(inp, ids, positions, step) or self._eager(ids, positions, step)
-            return _Forward(out[0], draft_hidden=out[1] if v4 else None)
-        assert not isinstance(self.model, DeepseekV4Model), "V4 takes no token-tree rows"
+            second = self.model.mtp_reads_second_output
+            return _Forward(out[0], draft_hidden=out[1] if second else None)
+        assert self.model.step_kind == PAGED, "token-tree rows need paged attention"
         side, ids_all, pos_all, meta_all = side_rows.plan(
             inp.spec.side, self.state.side_drafts, ids, positions, meta
         )
@@ -251,11 +246,14 @@ class ModelRunner:
         return _Forward(hidden, side, side_hidden)
 
     def _eager(
-        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | V4StepMetadata
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata | TokenTableMetadata,
     ) -> tuple[torch.Tensor, ...]:
         """The target's forward, unrecorded: hidden states (and V4's residual streams)."""
-        if isinstance(self.model, DeepseekV4Model):
-            assert isinstance(meta, V4StepMetadata)
+        if self.model.step_kind == TOKEN_TABLES:
+            assert isinstance(meta, TokenTableMetadata)
             return self.model.forward(ids, positions, meta, self.kv_caches)
         assert isinstance(meta, AttentionMetadata)
         return self.model.forward(ids, positions, meta, self.kv_caches[0])
@@ -265,7 +263,7 @@ class ModelRunner:
         inp: StepInputs,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata | V4StepMetadata,
+        meta: AttentionMetadata | TokenTableMetadata,
     ) -> tuple[torch.Tensor, ...] | None:
         """The forward's outputs from a decode graph, when the step has that shape (None:
         not): the hidden states, and a V4 target's residual streams."""
@@ -274,21 +272,21 @@ class ModelRunner:
         qlens = {1 + r.num_spec for r in inp.rows}  # decode rows: the token and its drafts
         if len(qlens) != 1:
             return None
-        if isinstance(self.graphs, V4DecodeGraphs):
-            assert isinstance(meta, V4StepMetadata)
+        if isinstance(self.graphs, TokenTableDecodeGraphs):
+            assert isinstance(meta, TokenTableMetadata)
             return self.graphs.run(ids, positions, meta, qlens.pop())
         assert isinstance(meta, AttentionMetadata)
         hidden = self.graphs.run(ids, positions, meta, qlens.pop())
         return None if hidden is None else (hidden,)
 
-    def _all_groups(self, inp: StepInputs) -> V4StepMetadata:
+    def _all_groups(self, inp: StepInputs) -> TokenTableMetadata:
         """Every cache group's table per token (a model that reads all its groups)."""
         row = inp.per_token.row
         tables = tuple(
             g.block_table.index_select(0, row).to(torch.int64) for g in inp.attention.groups
         )
         spans = tuple((p.token_start, p.num_tokens, p.context_len) for p in inp.prefills)
-        return V4StepMetadata(tables, inp.max_len, spans)
+        return TokenTableMetadata(tables, inp.max_len, spans)
 
     def _logits(self, inp: StepInputs, fwd: _Forward) -> torch.Tensor:
         """[N + Ra * W, V]: the sampling rows' logits rows, then the side rows."""
@@ -377,7 +375,7 @@ class ModelRunner:
         next_tokens = st.history[inp.per_token.slot, (positions + 1).clamp(max=st.width - 1)]
         last = sr.first + (accepted if accepted is not None else 0)
         last_index = sr.token_idx.index_select(0, last) if accepted is not None else last
-        meta_mtp: AttentionMetadata | V4StepMetadata | None = None
+        meta_mtp: AttentionMetadata | TokenTableMetadata | None = None
         mtp_table = None
         if self.mtp_group is not None:
             meta_mtp = self._mtp_metadata(inp, meta, positions, self.mtp_group)
@@ -389,10 +387,10 @@ class ModelRunner:
 
     def _mtp_metadata(
         self, inp: StepInputs, meta: AttentionMetadata, positions: torch.Tensor, group: int
-    ) -> AttentionMetadata | V4StepMetadata:
-        if isinstance(self.model, DeepseekV4Model):  # NOTE: its attention reads tables per token
+    ) -> AttentionMetadata | TokenTableMetadata:
+        if self.model.step_kind == TOKEN_TABLES:  # NOTE: its attention reads tables per token
             table = inp.attention.groups[group].block_table.index_select(0, inp.per_token.row)
-            return DeepseekV4MtpHead.step_metadata(table, inp.max_len)
+            return single_group_tables(table, inp.max_len)
         return self._group_metadata(inp, meta, positions, group)
 
     # -- output lane -------------------------------------------------------

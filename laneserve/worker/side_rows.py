@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from laneserve.model.attention import AttentionMetadata, Kernels, PrefillSpan
+from laneserve.kernels import Kernels
+from laneserve.model.layers.attention import AttentionMetadata, PrefillSpan
 from laneserve.worker.step_inputs import SideInputs
 
 KvStack = tuple[torch.Tensor, ...]  # K, V (or one MLA latent) of a group: [L, blocks, bs, Hk, D]

@@ -19,7 +19,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
@@ -27,12 +26,11 @@ import torch
 from laneserve import protocol
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import read_lookahead
-from laneserve.core.kv_cache_manager import CacheGroupSpec
 from laneserve.kernels import get_kernels
-from laneserve.model.deepseek_v4 import DeepseekV4Model
-from laneserve.model.layers import DecoderStack
+from laneserve.kv_cache_interface import CacheGroupSpec
+from laneserve.model.interface import PAGED, TOKEN_TABLES, CausalLM, DraftHead
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
-from laneserve.model.registry import dtype_bytes, family_for
+from laneserve.model.registry import dtype_bytes, family_for, open_weights
 from laneserve.obs.lane_times import LaneClock
 from laneserve.obs.profiling import Tracer
 from laneserve.protocol import (
@@ -44,7 +42,7 @@ from laneserve.protocol import (
 from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
 from laneserve.structured.matchers import GrammarBook
 from laneserve.worker.cuda_graphs import DecodeGraphs
-from laneserve.worker.cuda_graphs_v4 import V4DecodeGraphs
+from laneserve.worker.cuda_graphs_tables import TokenTableDecodeGraphs
 from laneserve.worker.failures import (
     Rejections,
     StepFailure,
@@ -95,7 +93,7 @@ class Worker:
         self.max_positions = self.max_model_len + self.max_spec + 2
         self.pad_cols = self.max_spec + 1
         self.side_width = spec.num_candidates - 1 if spec else 0  # token tree alternatives
-        store = WeightStore(self.ckpt, self.device, self.act_dtype)
+        store = open_weights(self.ckpt, self.device, self.act_dtype)
         self.family = family_for(arch)
         self.model, self.mtp = self._load_model(store)
         self.block_size = config.cache.block_size
@@ -118,7 +116,7 @@ class Worker:
         self._log_ready()
 
     # -- set-up ------------------------------------------------------------
-    def _load_model(self, store: WeightStore) -> tuple[Any, Any]:
+    def _load_model(self, store: WeightStore) -> tuple[CausalLM, DraftHead | None]:
         """The family's model and, for MTP speculation, its draft head."""
         arch, spec = self.ckpt.arch, self.config.speculative
         model = self.family.model_class(
@@ -153,19 +151,20 @@ class Worker:
             graphs=self._decode_graphs(),
         )
 
-    def _decode_graphs(self) -> DecodeGraphs | V4DecodeGraphs | None:
+    def _decode_graphs(self) -> DecodeGraphs | TokenTableDecodeGraphs | None:
         """CUDA graphs of decode steps (on CUDA, unless enforce_eager)."""
         if self.device.type != "cuda" or self.config.model.enforce_eager:
             return None
         return self.decode_graphs()
 
-    def decode_graphs(self, capture: bool = True) -> DecodeGraphs | V4DecodeGraphs | None:
+    def decode_graphs(self, capture: bool = True) -> DecodeGraphs | TokenTableDecodeGraphs | None:
         """The target's decode-step buckets (None: a model they do not cover);
         `capture=False` runs each bucket's padded forward eagerly (the CPU tests)."""
         max_rows = self.config.scheduler.max_num_seqs
         columns = tuple(-(-self.max_positions // g.block_size) + self.pad_cols for g in self.groups)
-        if isinstance(self.model, DeepseekV4Model):  # it reads every cache group
-            return V4DecodeGraphs(
+        kind = self.model.decode_graph_kind
+        if kind == TOKEN_TABLES:  # it reads every cache group
+            return TokenTableDecodeGraphs(
                 self.model,
                 self.kv.layers,
                 self.block_size,
@@ -175,7 +174,7 @@ class Worker:
                 self.max_positions,
                 capture,
             )
-        if not isinstance(self.model, DecoderStack):
+        if kind != PAGED:
             return None
         return DecodeGraphs(
             self.model,

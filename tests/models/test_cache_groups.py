@@ -42,7 +42,7 @@ def test_sliding_window_group_sized_by_its_window() -> None:
     blocks): 1 MiB split by bytes per token would give each 6990 tokens; 4 requests of
     steps up to 32 tokens and lookahead 5 hold at most ceil((64 + 5 + 32) / 16) + 1 = 8
     blocks each of the window, so it gets 32 blocks and the full group the rest."""
-    from laneserve.core.kv_cache_manager import CacheGroupSpec
+    from laneserve.kv_cache_interface import CacheGroupSpec
     from laneserve.worker.kv_cache import StepBounds
 
     full = CacheGroupSpec("full", "full_attention", 16, 1, 1, (25,), 4)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from laneserve import LLM, SamplingParams
+from laneserve.model.registry import open_weights
 from tests.e2e.test_tiny_models import mixed_prompts, run
 from tests.tiny_models import hf_greedy
 
@@ -90,15 +91,15 @@ def test_full_size_latent_decodes_on_the_paged_kernel(tmp_path: Path) -> None:
     """DeepSeek V3's own latent size (kv_lora_rank 512 + rope 64 = 576 values per entry)
     takes the kernels' paged attention in decode, and greedy output matches transformers."""
     from laneserve.kernels import get_kernels
-    from laneserve.model.deepseek import DeepseekModel
-    from laneserve.model.loader import WeightStore, resolve_checkpoint
+    from laneserve.model.deepseek.model import DeepseekModel
+    from laneserve.model.loader import resolve_checkpoint
     from tests.tiny_models import build_tiny_deepseek
 
     d = build_tiny_deepseek(tmp_path / "v3", 3, seed=5, kv_lora_rank=512, qk_rope_head_dim=64)
     cpu = torch.device("cpu")
     ckpt = resolve_checkpoint(str(d), "float32", cpu)
     assert ckpt.arch.deepseek.latent_dim == 576
-    store = WeightStore(ckpt, cpu, torch.float32)
+    store = open_weights(ckpt, cpu, torch.float32)
     model = DeepseekModel(ckpt.arch, get_kernels(cpu), store, cpu, torch.float32, 512)
     assert all(layer.attn.paged_decode for layer in model.layers)
     prompts = mixed_prompts(3, seed=7)

@@ -12,10 +12,11 @@ import torch
 
 from laneserve import LLM, SamplingParams
 from laneserve.kernels import get_kernels
-from laneserve.model.attention import AttentionMetadata, PrefillSpan
-from laneserve.model.deepseek import DeepseekModel
-from laneserve.model.deepseek_mtp import load_deepseek_mtp
-from laneserve.model.loader import WeightStore, resolve_checkpoint
+from laneserve.model.deepseek.model import DeepseekModel
+from laneserve.model.deepseek.mtp import load_deepseek_mtp
+from laneserve.model.layers.attention import AttentionMetadata, PrefillSpan
+from laneserve.model.loader import resolve_checkpoint
+from laneserve.model.registry import open_weights
 from tests.e2e.test_tiny_models import mixed_prompts, run
 from tests.tiny_models import (
     _cached_model,
@@ -50,7 +51,7 @@ def test_draft_equals_transformers_mtp_layer(with_mtp: Path) -> None:
     cpu = torch.device("cpu")
     ckpt = resolve_checkpoint(str(with_mtp), "float32", cpu)
     kernels = get_kernels(cpu)
-    store = WeightStore(ckpt, cpu, torch.float32)
+    store = open_weights(ckpt, cpu, torch.float32)
     base = DeepseekModel(ckpt.arch, kernels, store, cpu, torch.float32, 512)
     head = load_deepseek_mtp(store, base, kernels, None, None)
     ids = torch.tensor(mixed_prompts(1, seed=9, lo=40, hi=40)[0])

@@ -14,8 +14,8 @@ import torch
 
 from laneserve import LLM, SamplingParams
 from laneserve.kernels import load_kernels
-from laneserve.model import mla
-from laneserve.model.attention import AttentionMetadata
+from laneserve.model.layers import mla
+from laneserve.model.layers.attention import AttentionMetadata
 from laneserve.worker import side_rows
 from tests.e2e.test_tiny_models import mixed_prompts, run
 from tests.tiny_models import (

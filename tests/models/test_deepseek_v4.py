@@ -187,7 +187,7 @@ def test_blocked_prefill_attention_matches_hf(
     """Prompt rows attend in blocks of consecutive queries (one gather of the window per
     block): blocks of 5 queries, not aligned to the window (8) or the rates (4, 8),
     chunked prefill beside decode rows in the same steps; tokens equal transformers."""
-    from laneserve.model import deepseek_v4_attention as attention
+    from laneserve.model.deepseek_v4 import attention
 
     seen: list[list[bool]] = []  # per attention call: block (True) / per-token segments
 
@@ -211,7 +211,7 @@ def test_blocked_prefill_attention_matches_hf(
 
 
 def test_only_closing_prompt_tokens_compute_entries() -> None:
-    from laneserve.model.deepseek_v4_compressor import closing_rows
+    from laneserve.model.deepseek_v4.compressor import closing_rows
 
     assert closing_rows(10, (), 4) is None  # no prompt rows: every token computes
     # tokens 0, 1 decode; tokens 2..10 a prompt row at positions 5..13; token 11 decode

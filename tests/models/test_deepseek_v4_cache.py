@@ -14,7 +14,8 @@ from laneserve.core.cache_group_kinds import SlidingWindowGroup
 from laneserve.core.kv_cache_manager import KVCacheManager
 from laneserve.core.request import Request
 from laneserve.model.arch import ArchConfig
-from laneserve.model.deepseek_v4 import cache_groups
+from laneserve.model.deepseek_v4.model import cache_groups
+from laneserve.model.registry import open_weights
 from laneserve.sampling_params import SamplingParams
 
 
@@ -127,10 +128,10 @@ def tables_for(kv, n: int):  # -> per group [n, C] int64
 def _forward(model, kv, ids: list[int], start: int):  # -> hidden [T, H]
     import torch
 
-    from laneserve.model.deepseek_v4_attention import V4StepMetadata
+    from laneserve.model.layers.attention import TokenTableMetadata
 
     n = len(ids)
-    meta = V4StepMetadata(tables_for(kv, n), start + n + 1)
+    meta = TokenTableMetadata(tables_for(kv, n), start + n + 1)
     positions = torch.arange(start, start + n)
     hidden, _ = model.forward(torch.tensor(ids), positions, meta, kv.layers)
     return hidden
@@ -143,14 +144,14 @@ def test_rejected_draft_that_closed_windows_is_recomputed(deepseek_v4_model: Pat
     import torch
 
     from laneserve.kernels import get_kernels
-    from laneserve.model.deepseek_v4 import DeepseekV4Model
-    from laneserve.model.loader import WeightStore, resolve_checkpoint
+    from laneserve.model.deepseek_v4.model import DeepseekV4Model
+    from laneserve.model.loader import resolve_checkpoint
     from laneserve.worker.kv_cache import KvCache
 
     cpu = torch.device("cpu")
     ckpt = resolve_checkpoint(str(deepseek_v4_model), "float32", cpu)
     model = DeepseekV4Model(
-        ckpt.arch, get_kernels(cpu), WeightStore(ckpt, cpu, torch.float32), cpu, torch.float32, 80
+        ckpt.arch, get_kernels(cpu), open_weights(ckpt, cpu, torch.float32), cpu, torch.float32, 80
     )
     groups = cache_groups(ckpt.arch, 4, 4, 0)
 

@@ -13,10 +13,12 @@ import torch
 
 from laneserve import LLM, SamplingParams
 from laneserve.kernels import get_kernels
-from laneserve.model.deepseek_v4 import DeepseekV4Model, cache_groups
-from laneserve.model.deepseek_v4_attention import V4StepMetadata
-from laneserve.model.deepseek_v4_mtp import DeepseekV4MtpHead, load_deepseek_v4_mtp
-from laneserve.model.loader import WeightStore, resolve_checkpoint
+from laneserve.model.deepseek_v4.model import DeepseekV4Model, cache_groups
+from laneserve.model.deepseek_v4.mtp import load_deepseek_v4_mtp
+from laneserve.model.interface import single_group_tables
+from laneserve.model.layers.attention import TokenTableMetadata
+from laneserve.model.loader import resolve_checkpoint
+from laneserve.model.registry import open_weights
 from laneserve.worker.kv_cache import KvCache
 from tests.e2e.test_tiny_models import run
 from tests.models.test_deepseek_mtp import _spec, refused_head_options
@@ -61,7 +63,7 @@ def test_mtp_logits_equal_transformers_block(with_mtp: Path, tmp_path: Path) -> 
     cpu = torch.device("cpu")
     ckpt = resolve_checkpoint(str(with_mtp), "float32", cpu)
     kernels = get_kernels(cpu)
-    store = WeightStore(ckpt, cpu, torch.float32)
+    store = open_weights(ckpt, cpu, torch.float32)
     base = DeepseekV4Model(ckpt.arch, kernels, store, cpu, torch.float32, 80)
     head = load_deepseek_v4_mtp(store, base, kernels, None, None)
     groups = cache_groups(ckpt.arch, 4, 4, 1)
@@ -70,9 +72,9 @@ def test_mtp_logits_equal_transformers_block(with_mtp: Path, tmp_path: Path) -> 
     ids = torch.tensor(prompts_of([30], seed=8)[0])  # past the window (8): it slides
     n = ids.shape[0]
     tables = tables_for(kv, n)
-    _, streams = base.forward(ids, torch.arange(n), V4StepMetadata(tables, n + 1), kv.layers)
+    _, streams = base.forward(ids, torch.arange(n), TokenTableMetadata(tables, n + 1), kv.layers)
     assert streams.shape == (n, ckpt.arch.v4.hc_mult * ckpt.arch.hidden_size)
-    meta = DeepseekV4MtpHead.step_metadata(tables[-1][: n - 1], n)
+    meta = single_group_tables(tables[-1][: n - 1], n)
     out = head.forward(ids[1:], streams[:-1], torch.arange(n - 1), meta, kv.layers[-1][0])
     got = head.logits(out)
 

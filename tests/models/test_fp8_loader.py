@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from laneserve import LLM
-from laneserve.model import fp8
-from laneserve.model.loader import WeightStore, resolve_checkpoint
+from laneserve.model.layers import fp8
+from laneserve.model.loader import resolve_checkpoint
+from laneserve.model.registry import open_weights
 from tests.e2e.test_tiny_models import mixed_prompts, run
 
 BLOCK = (16, 16)  # tiny blocks: the tiny model's shapes (40 x 64, 96 x 32 ...) do not divide
@@ -81,7 +82,7 @@ def test_fp8_checkpoint_loads_the_weights_it_encodes(
     exact = _fp8_copy(deepseek_models["v3"], out, plain)
     ckpt = resolve_checkpoint(str(out), "float32", torch.device("cpu"))
     assert ckpt.fp8_block == BLOCK
-    store = WeightStore(ckpt, torch.device("cpu"), torch.float32)
+    store = open_weights(ckpt, torch.device("cpu"), torch.float32)
     name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"  # 40 x 64: partial blocks
     assert store.has(f"{name}_scale_inv")
     for n in (name, "model.layers.2.mlp.experts.5.down_proj.weight", "lm_head.weight"):

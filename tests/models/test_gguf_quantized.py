@@ -12,7 +12,8 @@ import torch
 from laneserve import LLM, SamplingParams
 from laneserve.kernels import quant
 from laneserve.kernels.quant import QuantWeight
-from laneserve.model.loader import WeightStore, resolve_checkpoint
+from laneserve.model.loader import resolve_checkpoint
+from laneserve.model.registry import open_weights
 from tests.tiny_models import build_tiny_model, write_tiny_gguf
 
 QUANT = {
@@ -39,7 +40,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_loader_keeps_linear_weights_quantized(tiny_gguf: Path) -> None:
     ckpt = resolve_checkpoint(str(tiny_gguf), "float32", CPU, "quantized")
     assert ckpt.gguf_quantized == tiny_gguf
-    store = WeightStore(ckpt, CPU, torch.float32)
+    store = open_weights(ckpt, CPU, torch.float32)
     for suffix, kind in QUANT.items():
         name = (
             "lm_head.weight" if suffix.startswith("embed") else f"model.layers.1.self_attn.{suffix}"
@@ -54,7 +55,7 @@ def test_loader_keeps_linear_weights_quantized(tiny_gguf: Path) -> None:
     assert store.quantized_linear("model.norm.weight") is None  # F32: read densely
     dense = resolve_checkpoint(str(tiny_gguf), "float32", CPU, "dequantized")
     assert dense.gguf_quantized is None
-    assert WeightStore(dense, CPU, torch.float32).quantized_linear("lm_head.weight") is None
+    assert open_weights(dense, CPU, torch.float32).quantized_linear("lm_head.weight") is None
 
 
 def _greedy(path: Path, mode: str) -> list[tuple[list[int], float | None]]:

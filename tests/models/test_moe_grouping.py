@@ -12,8 +12,8 @@ import torch
 
 from laneserve.engine_args import EngineArgs
 from laneserve.kernels.reference import TorchKernels
-from laneserve.model.layers import Linear
-from laneserve.model.moe import MoE, StackedExperts, grouped_experts
+from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.moe import MoE, StackedExperts, grouped_experts
 from laneserve.worker.worker import Worker
 from tests.host_reads import no_host_reads
 
@@ -71,7 +71,7 @@ def test_a_refusing_grouped_matmul_leaves_host_grouping(
 
     monkeypatch.setattr(torch, "_grouped_mm", refuse)
     w13, w2 = _experts(4, 16, 8, seed=1)
-    with caplog.at_level(logging.INFO, logger="laneserve.model.moe"):
+    with caplog.at_level(logging.INFO, logger="laneserve.model.layers.moe"):
         assert StackedExperts.build(TorchKernels(), w13, w2) is None
     assert "grouped on the host" in caplog.text
 

@@ -1,4 +1,4 @@
-"""Prompt chunks' attention (model/attention.py): on the CPU kernels a chunk reads the paged
+"""Prompt chunks' attention (model/layers/attention.py): on the CPU kernels a chunk reads the paged
 cache through the decode rows' kernel, so a prompt token's attention is bit for bit what it
 would be as a decode row, whatever the chunking; long chunks take the bf16 causal kernel
 on a bf16 cache (fresh or after context), and torch SDPA when fresh on an fp32 cache."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from laneserve.kernels import CpuKernels, TorchKernels, load_kernels
-from laneserve.model import attention
-from laneserve.model.attention import AttentionMetadata, PrefillSpan
+from laneserve.model.layers import attention
+from laneserve.model.layers.attention import AttentionMetadata, PrefillSpan
 
 HQ, HK, D, BS = 6, 2, 32, 16
 

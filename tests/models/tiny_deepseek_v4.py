@@ -171,7 +171,7 @@ def quantized_release(src: Path, out: Path, reference: Path) -> tuple[Path, Path
 
     from safetensors.torch import load_file, save_file
 
-    from laneserve.model import fp8
+    from laneserve.model.layers import fp8
 
     to_release_layout(src, out)
     state = load_file(str(out / "model.safetensors"))

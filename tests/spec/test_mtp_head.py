@@ -14,10 +14,11 @@ import torch
 
 from laneserve import LLM, SamplingParams
 from laneserve.kernels import TorchKernels, get_kernels
-from laneserve.model.attention import AttentionMetadata, PrefillSpan
-from laneserve.model.llama import LlamaModel
-from laneserve.model.loader import WeightStore, resolve_checkpoint
-from laneserve.model.mtp import load_mtp_head
+from laneserve.model.layers.attention import AttentionMetadata, PrefillSpan
+from laneserve.model.llama.model import LlamaModel
+from laneserve.model.llama.mtp import load_mtp_head
+from laneserve.model.loader import resolve_checkpoint
+from laneserve.model.registry import open_weights
 from laneserve.training import mtp_prompts
 from laneserve.training.mtp_data import Sample, ShardDir, collect, generate_samples
 from laneserve.training.mtp_module import MtpTrainModule
@@ -40,7 +41,7 @@ def test_train_module_matches_inference_head(tiny_models: dict[str, Path], tmp_p
             for p in module.parameters():  # frozen base buffers) to compare like with like
                 p.copy_(p.to(torch.bfloat16).float())
         kernels = get_kernels(cpu)
-        store = WeightStore(ckpt, cpu, torch.float32)
+        store = open_weights(ckpt, cpu, torch.float32)
         base = LlamaModel(ckpt.arch, kernels, store, cpu, torch.float32, 512)
         head = load_mtp_head(store, base, kernels, str(path), None)
         n, h = 20, ckpt.arch.hidden_size

@@ -18,7 +18,7 @@ from laneserve.frontend.engine import LLMEngine
 from laneserve.sampling_params import SamplingParams
 from laneserve.worker.clients import InlineClient
 from laneserve.worker.cuda_graphs import Bucket, Captured, GraphBuckets, capture_sizes
-from laneserve.worker.cuda_graphs_v4 import V4DecodeGraphs
+from laneserve.worker.cuda_graphs_tables import TokenTableDecodeGraphs
 from laneserve.worker.worker import Worker
 from tests.host_reads import no_host_reads
 from tests.models.test_deepseek_v4 import _reference as v4_reference
@@ -244,7 +244,7 @@ def test_deepseek_v4_padded_buckets_give_the_plain_tokens(
     work = _work(8)
     eng = _engine(deepseek_v4, kernels, None)
     graphs = _attach(eng, None if kernels else monkeypatch)
-    assert isinstance(graphs, V4DecodeGraphs)
+    assert isinstance(graphs, TokenTableDecodeGraphs)
     _poison_caches(eng)
     got = _run(eng, work)
     eng.shutdown()
@@ -270,7 +270,7 @@ def test_deepseek_v4_padded_buckets_under_its_mtp(deepseek_v4: Path, tmp_path: P
     plain.shutdown()
     eng = _engine(model, True, {"method": "mtp", "num_speculative_tokens": 2}, async_on=True)
     graphs = _attach(eng, None)
-    assert isinstance(graphs, V4DecodeGraphs)
+    assert isinstance(graphs, TokenTableDecodeGraphs)
     replay, same = graphs.run, []
 
     def compared(ids, positions, meta, qlen):  # type: ignore[no-untyped-def]

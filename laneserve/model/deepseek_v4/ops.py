@@ -18,15 +18,12 @@ Hyper-connections (`hc_mult` = N residual streams per token, [T, N, H]):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
 from laneserve.kernels.base import Kernels
-from laneserve.model.rope import rope_frequencies
-
-WeightGetter = Callable[..., torch.Tensor]  # (name[, dtype]) -> tensor
+from laneserve.model.layers.rope import rope_frequencies
+from laneserve.model.layers.weights import WeightGetter
 
 
 def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The DeepSeek V4 parameters of an HF `config.json` (`DeepseekV4ForCausalLM`).
 
-Kept apart from `arch.py` so the V2 / V3 dataclass stays as it is; `ArchConfig.v4`
+Kept apart from `model/arch.py` so the V2 / V3 dataclass stays as it is; `ArchConfig.v4`
 holds one of these for a V4 checkpoint.
 """
 

@@ -10,28 +10,31 @@
 The embedding and the LM head are the target's (the checkpoint's per-layer copies
 `embed_tokens` / `shared_head.head` are the same tensors, as transformers shares
 them). The block has its own MLA cache group. The head has the interface of
-`model/mtp.py`'s head, so the same proposer (`spec_decode/proposers.py`) runs it.
+`model/llama/mtp.py`'s head, so the same proposer (`spec_decode/proposers.py`) runs it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from laneserve.kernels import Kernels
 from laneserve.model.arch import ArchConfig, UnsupportedModelError
-from laneserve.model.attention import AttentionMetadata
-from laneserve.model.deepseek import DeepseekLayer, DeepseekModel
-from laneserve.model.layers import Kernels, Linear, RMSNorm
+from laneserve.model.deepseek.model import DeepseekLayer, DeepseekModel
+from laneserve.model.interface import PAGED
+from laneserve.model.layers.attention import AttentionMetadata
+from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.norm import RMSNorm
+from laneserve.model.layers.weights import WeightGetter
 
 if TYPE_CHECKING:
     from laneserve.model.loader import WeightStore
 
-WeightGetter = Callable[..., torch.Tensor]
-
 
 class DeepseekMtpHead:
+    step_kind = PAGED  # its group's AttentionMetadata
+
     def __init__(
         self, arch: ArchConfig, kernels: Kernels, get: WeightGetter, base: DeepseekModel
     ) -> None:

@@ -1,4 +1,5 @@
-"""Rotary embedding of the DeepSeek family: yarn scaling and interleaved pairs.
+"""Rotary embeddings: NeoX-style (`Rotary`, the Llama family) and the DeepSeek
+family's (`MlaRotary`): yarn scaling and interleaved pairs.
 
 Yarn blends interpolated and extrapolated frequencies with a linear ramp over
 the dimensions and scales cos/sin by an attention factor
@@ -16,6 +17,7 @@ import math
 
 import torch
 
+from laneserve.kernels import Kernels
 from laneserve.model.arch import UnsupportedModelError
 
 
@@ -93,3 +95,27 @@ class MlaRotary:
             half = x.shape[-1] // 2
             a, b = x[..., :half], x[..., half:]
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+class Rotary:
+    """NeoX-style rotary embedding with a [max_pos, head_dim] cos|sin cache."""
+
+    def __init__(
+        self,
+        kernels: Kernels,
+        inv_freq: torch.Tensor,  # [head_dim / 2] fp32
+        max_positions: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.kernels = kernels
+        self.head_dim = head_dim
+        # NOTE: same arithmetic as HF (fp32 position * inv_freq), so fp32 runs
+        # match transformers bit for bit in the rotary part.
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        self.kernels.rotary_embedding(positions, q, k, self.head_dim, self.cos_sin)

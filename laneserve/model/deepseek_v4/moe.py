@@ -5,7 +5,7 @@ Routing runs in fp32. A `moe` layer picks the top-k experts by score + bias (the
 only selects); a `hash_moe` layer takes them from `tid2eid[token id]`. Either way the
 weights are the chosen experts' unbiased scores, normalised to sum to 1, times
 `routed_scaling_factor`. Experts run grouped by expert (on the host or the device, as
-in `moe.py`), results summed per token in expert order (as transformers adds them).
+in `layers/moe.py`), results summed per token in expert order (as transformers adds them).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from laneserve.kernels import Kernels
 from laneserve.model.arch import UnsupportedModelError
-from laneserve.model.deepseek_v4_config import DeepseekV4Params
-from laneserve.model.deepseek_v4_ops import WeightGetter
-from laneserve.model.layers import Kernels, Linear
-from laneserve.model.moe import StackedExperts, grouped_experts
+from laneserve.model.deepseek_v4.config import DeepseekV4Params
+from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.moe import StackedExperts, grouped_experts
+from laneserve.model.layers.weights import WeightGetter
 
 _SCORES = {
     "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),

@@ -1,27 +1,29 @@
 """DeepSeek V2 / V3 decoder (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`).
 
-Each layer: RMSNorm -> MLA (`mla.py`) -> RMSNorm -> MLP; the first
+Each layer: RMSNorm -> MLA (`layers/mla.py`) -> RMSNorm -> MLP; the first
 `first_k_dense_replace` layers have a dense gated MLP, the others the routed
-MoE with shared experts (`moe.py`). The paged cache has one MLA latent group
+MoE with shared experts (`layers/moe.py`). The paged cache has one MLA latent group
 (`cache_groups`). Inference only; weights come from an HF-named state dict
 (release layout: one tensor per expert).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from laneserve.core.kv_cache_manager import CacheGroupSpec
+from laneserve.kernels import Kernels
+from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.arch import ArchConfig, DeepseekParams
-from laneserve.model.attention import AttentionMetadata
-from laneserve.model.layers import DecoderStack, GatedMLP, Kernels, Linear, RMSNorm
-from laneserve.model.mla import MlaAttention
-from laneserve.model.moe import MoE
-from laneserve.model.rope import MlaRotary
+from laneserve.model.layers.attention import AttentionMetadata
+from laneserve.model.layers.decoder_stack import DecoderStack
+from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.mla import MlaAttention
+from laneserve.model.layers.mlp import GatedMLP
+from laneserve.model.layers.moe import MoE
+from laneserve.model.layers.norm import RMSNorm
+from laneserve.model.layers.rope import MlaRotary
+from laneserve.model.layers.weights import WeightGetter
 
-WeightGetter = Callable[[str], torch.Tensor]
 LayerCache = tuple[torch.Tensor, ...]
 
 

@@ -16,18 +16,17 @@ The glossary of decode-like / prefill rows is in `attention.py`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
+from laneserve.kernels import Kernels
 from laneserve.kernels.base import PAGED_ATTENTION_MAX_HEAD_DIM
 from laneserve.model.arch import ArchConfig
-from laneserve.model.attention import AttentionMetadata, PrefillSpan
-from laneserve.model.layers import Kernels, Linear, RMSNorm
-from laneserve.model.rope import MlaRotary, softmax_scale
-
-WeightGetter = Callable[[str], torch.Tensor]
+from laneserve.model.layers.attention import AttentionMetadata, PrefillSpan
+from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.norm import RMSNorm
+from laneserve.model.layers.rope import MlaRotary, softmax_scale
+from laneserve.model.layers.weights import WeightGetter
 
 
 class MlaAttention:

@@ -1,8 +1,8 @@
 """DeepSeek V4 decoder (`DeepseekV4ForCausalLM`).
 
-Per layer, around `hc_mult` residual streams (hyper-connections, `deepseek_v4_ops.py`):
-attention of the layer's kind (sliding / CSA / HCA, `deepseek_v4_attention.py`), then
-the MoE (`deepseek_v4_moe.py`); the streams are collapsed by `hc_head` before the final
+Per layer, around `hc_mult` residual streams (hyper-connections, `deepseek_v4/ops.py`):
+attention of the layer's kind (sliding / CSA / HCA, `deepseek_v4/attention.py`), then
+the MoE (`deepseek_v4/moe.py`); the streams are collapsed by `hc_head` before the final
 norm and the LM head.
 
 Weights: transformers' `save_pretrained` names (`model.layers.N.attn.wq_a.weight`,
@@ -26,19 +26,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from laneserve.core.kv_cache_manager import CacheGroupSpec
+from laneserve.kernels import Kernels
+from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.arch import ArchConfig
-from laneserve.model.deepseek_v4_attention import LayerCaches, V4Attention, V4StepMetadata
-from laneserve.model.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Params
-from laneserve.model.deepseek_v4_moe import V4MoE
-from laneserve.model.deepseek_v4_ops import (
-    HyperConnection,
-    HyperHead,
-    InterleavedRope,
-    Norm,
-    WeightGetter,
-)
-from laneserve.model.layers import Kernels, Linear
+from laneserve.model.deepseek_v4.attention import V4Attention
+from laneserve.model.deepseek_v4.caches import LayerCaches
+from laneserve.model.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Params
+from laneserve.model.deepseek_v4.moe import V4MoE
+from laneserve.model.deepseek_v4.ops import HyperConnection, HyperHead, InterleavedRope, Norm
+from laneserve.model.interface import TOKEN_TABLES
+from laneserve.model.layers.attention import TokenTableMetadata
+from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.weights import WeightGetter
 
 
 def _params(arch: ArchConfig) -> DeepseekV4Params:
@@ -120,7 +119,7 @@ class V4Layer:
         ids: torch.Tensor,
         positions: torch.Tensor,
         cache: LayerCaches,
-        meta: V4StepMetadata,
+        meta: TokenTableMetadata,
     ) -> torch.Tensor:
         post, comb, x = self.hc_attn(streams)
         out = self.attn(self.attn_norm(x), positions, cache, meta)
@@ -131,11 +130,13 @@ class V4Layer:
 
 
 class DeepseekV4Model:
-    """forward(ids, positions, V4StepMetadata, caches of every group) -> (normed hidden,
+    """forward(ids, positions, TokenTableMetadata, caches of every group) -> (normed hidden,
     the last layer's residual streams [T, N * H], which the MTP layer reads)."""
 
     supports_async_prepare = True  # inputs are resolved on the device, as for Llama
-    reads_all_cache_groups = True  # the runner passes every group's tables and caches
+    step_kind = TOKEN_TABLES  # the runner passes every group's tables and caches
+    decode_graph_kind = TOKEN_TABLES
+    mtp_reads_second_output = True  # the MTP layer drafts from the residual streams
 
     def __init__(
         self,
@@ -199,7 +200,7 @@ class DeepseekV4Model:
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        meta: V4StepMetadata,
+        meta: TokenTableMetadata,
         caches: list[list[tuple[torch.Tensor, ...]]],  # per group, per layer in it
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.embed(input_ids)

@@ -14,7 +14,7 @@ A compressed entry is written when the token that closes its window is processed
 from the per-token compressor projections kept *by position* in a state group. It is
 a function of those positions only, so recomputing it (a rejected draft that had
 closed the window, a request resumed after preemption) gives the same entry: a
-rollback only lowers the committed count. See `deepseek_v4_compressor.py`.
+rollback only lowers the committed count. See `deepseek_v4/compressor.py`.
 
 Every step first writes its tokens' K = V and compressor state, then the entries its
 closing tokens complete, then reads. Decode and verify tokens read one by one through
@@ -27,54 +27,25 @@ the window. Both give each query the same keys and the same masked softmax.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from laneserve.model.deepseek_v4_compressor import (
+from laneserve.kernels import Kernels
+from laneserve.model.deepseek_v4.caches import LayerCaches
+from laneserve.model.deepseek_v4.compressor import (
     Compressor,
     additive_mask,
     entry_slots,
     gather_entries,
 )
-from laneserve.model.deepseek_v4_config import SLIDING, DeepseekV4Params
-from laneserve.model.deepseek_v4_ops import InterleavedRope, Norm, WeightGetter, rms_unweighted
-from laneserve.model.layers import Kernels, Linear
+from laneserve.model.deepseek_v4.config import SLIDING, DeepseekV4Params
+from laneserve.model.deepseek_v4.ops import InterleavedRope, Norm, rms_unweighted
+from laneserve.model.layers.attention import TokenTableMetadata
+from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.weights import WeightGetter
 
 PREFILL_QUERY_BLOCK = 128  # queries of one prefill row sharing one gather of keys
-
-
-@dataclass(frozen=True)
-class V4StepMetadata:
-    """What a V4 forward reads about the step besides ids and positions."""
-
-    tables: tuple[torch.Tensor, ...]  # per cache group: [T, C] int64, the token's row's table
-    max_len: int  # host bound: every position in the step is below it
-    # host: (first token, tokens, first position) of each prefill row; their queries
-    # attend in blocks (`PREFILL_QUERY_BLOCK`), every other token on its own
-    spans: tuple[tuple[int, int, int], ...] = ()
-
-    @property
-    def first_prefill(self) -> int | None:
-        """The first prompt token (they follow the decode-like ones), for Linear."""
-        return self.spans[0][0] if self.spans else None
-
-    def rows(self, start: int, stop: int) -> V4StepMetadata:
-        """The metadata of tokens start .. stop - 1 attended one by one."""
-        return V4StepMetadata(tuple(t[start:stop] for t in self.tables), self.max_len)
-
-
-@dataclass(frozen=True)
-class LayerCaches:
-    """One layer's cache tensors ([blocks, entries per block, 1, X]) and their groups."""
-
-    swa: torch.Tensor
-    swa_group: int
-    state: torch.Tensor | None = None  # the compressor's per-token projections
-    state_group: int = -1
-    entries: torch.Tensor | None = None  # compressed entries
-    entries_group: int = -1
 
 
 class V4Attention:
@@ -117,7 +88,7 @@ class V4Attention:
         x: torch.Tensor,  # [T, H_model] normed input
         positions: torch.Tensor,  # [T]
         cache: LayerCaches,
-        meta: V4StepMetadata,
+        meta: TokenTableMetadata,
     ) -> torch.Tensor:
         p, t = self.p, x.shape[0]
         fp = meta.first_prefill
@@ -155,7 +126,7 @@ class V4Attention:
         xq: torch.Tensor,
         positions: torch.Tensor,
         cache: LayerCaches,
-        meta: V4StepMetadata,
+        meta: TokenTableMetadata,
     ) -> torch.Tensor:
         """Each token gathers its own keys through its row's tables (decode, verify)."""
         table = meta.tables[cache.swa_group]
@@ -176,7 +147,7 @@ class V4Attention:
         positions: torch.Tensor,
         first: int,  # host: positions[0]
         cache: LayerCaches,
-        meta: V4StepMetadata,
+        meta: TokenTableMetadata,
         token: int,  # the block's first token in the step
     ) -> torch.Tensor:
         """Consecutive queries of one row: the window's keys are gathered once for the

@@ -21,10 +21,14 @@ from pathlib import Path
 
 import torch
 
+from laneserve.kernels import Kernels
 from laneserve.model.arch import ArchConfig
-from laneserve.model.attention import AttentionMetadata, Kernels
-from laneserve.model.layers import Linear, RMSNorm
-from laneserve.model.llama import DecoderLayer, LlamaModel, WeightGetter
+from laneserve.model.interface import PAGED
+from laneserve.model.layers.attention import AttentionMetadata
+from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.norm import RMSNorm
+from laneserve.model.layers.weights import WeightGetter
+from laneserve.model.llama.model import DecoderLayer, LlamaModel
 from laneserve.model.loader import WeightStore
 
 
@@ -33,6 +37,8 @@ def mtp_prefix(arch: ArchConfig) -> str:
 
 
 class MtpHead:
+    step_kind = PAGED  # its group's AttentionMetadata
+
     def __init__(
         self,
         arch: ArchConfig,
@@ -109,14 +115,12 @@ def mtp_weight_source(
     """Where the head's tensors come from: the given file, the checkpoint, or the shipped head."""
     ckpt = store.ckpt
     if draft_weights:
-        return WeightStore(
-            ckpt, store.device, store.act_dtype, file=Path(draft_weights).expanduser()
-        )
+        return store.sibling(Path(draft_weights).expanduser())
     if store.has(f"{mtp_prefix(ckpt.arch)}.eh_proj.weight"):
         return store
     shipped = shipped_head_path(default_name) if default_name else None
     if shipped is not None:
-        return WeightStore(ckpt, store.device, store.act_dtype, file=shipped)
+        return store.sibling(shipped)
     raise MtpWeightsError(
         f"{ckpt.source} carries no MTP layer ({mtp_prefix(ckpt.arch)}.eh_proj.weight): pass "
         '"draft_weights": PATH in --speculative-config, or train one with `laneserve train-mtp`'

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from laneserve.kernels import Kernels  # re-exported: the model code imports it from here
+from laneserve.kernels import Kernels
 
 # Prompt chunks up to this many tokens take the paged attention kernel on CPU (a decode
 # row's bits, whatever the chunking); longer ones, where attention's quadratic cost
@@ -179,3 +179,24 @@ def _sdpa(
         enable_gqa=group > 1 and mask is None,  # no repeated K/V copies
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class TokenTableMetadata:
+    """The step metadata of a model that reads every cache group through each token's
+    row's table (DeepSeek V4), besides ids and positions."""
+
+    tables: tuple[torch.Tensor, ...]  # per cache group: [T, C] int64, the token's row's table
+    max_len: int  # host bound: every position in the step is below it
+    # host: (first token, tokens, first position) of each prefill row; their queries
+    # attend in blocks (DeepSeek V4: `PREFILL_QUERY_BLOCK`), every other token on its own
+    spans: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def first_prefill(self) -> int | None:
+        """The first prompt token (they follow the decode-like ones), for Linear."""
+        return self.spans[0][0] if self.spans else None
+
+    def rows(self, start: int, stop: int) -> TokenTableMetadata:
+        """The metadata of tokens start .. stop - 1 attended one by one."""
+        return TokenTableMetadata(tuple(t[start:stop] for t in self.tables), self.max_len)

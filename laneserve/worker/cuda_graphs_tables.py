@@ -1,7 +1,8 @@
-"""CUDA graphs for DeepSeek V4's decode steps (the buckets of worker/cuda_graphs.py).
+"""CUDA graphs for the decode steps of a `token_tables` model (`model/interface.py`;
+DeepSeek V4), the buckets of worker/cuda_graphs.py.
 
-A V4 forward reads every cache group (sliding window, compressor states, compressed
-entries; `model/deepseek_v4.py`) through each token's row's table, so a bucket holds
+Such a forward reads every cache group (V4: sliding window, compressor states, compressed
+entries; `model/deepseek_v4/`) through each token's row's table, so a bucket holds
 one per-token table per group, each with its own column count rounded up to a power of
 two, and the step's length bound `max_len` (it sizes the compressed keys a token
 gathers) rounded up the same way:
@@ -13,23 +14,23 @@ gathers) rounded up the same way:
           compressor writes a token that closes no window there)
 ```
 Entries past a row's length are masked wherever they are read, so a larger `max_len`
-adds only masked keys. The outputs are the normed hidden states and the last layer's
-residual streams (the MTP layer drafts from them).
+adds only masked keys. The outputs are the forward's two: the normed hidden states and
+(V4) the last layer's residual streams (the MTP layer drafts from them).
 """
 
 from __future__ import annotations
 
 import torch
 
-from laneserve.model.deepseek_v4 import DeepseekV4Model
-from laneserve.model.deepseek_v4_attention import V4StepMetadata
+from laneserve.model.interface import CausalLM
+from laneserve.model.layers.attention import TokenTableMetadata
 from laneserve.worker.cuda_graphs import Bucket, Captured, GraphBuckets, padding_tokens
 
 
-class V4DecodeGraphs(GraphBuckets):
+class TokenTableDecodeGraphs(GraphBuckets):
     def __init__(
         self,
-        model: DeepseekV4Model,
+        model: CausalLM,  # of step kind token_tables
         caches: list[list[tuple[torch.Tensor, ...]]],  # per group, per layer in it
         block_size: int,
         scratch_blocks: tuple[int, ...],  # per group: its padding block
@@ -38,7 +39,7 @@ class V4DecodeGraphs(GraphBuckets):
         max_positions: int,  # positions a row can reach: the bound on max_len
         capture: bool = True,  # False: run the padded forward eagerly (CPU tests)
     ) -> None:
-        device = model.embed_tokens.device
+        device = caches[0][0][0].device  # the model's, as every cache tensor
         super().__init__(device, block_size, max_rows, max_columns, capture, max_positions + 1)
         self.model = model
         self.caches = caches
@@ -48,7 +49,7 @@ class V4DecodeGraphs(GraphBuckets):
         self,
         ids: torch.Tensor,  # [T] the step's tokens (T = rows * qlen)
         positions: torch.Tensor,
-        meta: V4StepMetadata,  # per group: [T, C_g] each token's row's table; no spans
+        meta: TokenTableMetadata,  # per group: [T, C_g] each token's row's table; no spans
         qlen: int,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # hidden [T, H], streams [T, N * H]
         n = ids.shape[0]
@@ -72,7 +73,7 @@ class V4DecodeGraphs(GraphBuckets):
         for g, cols in enumerate(key.columns):
             live[f"table{g}"] = pad[f"table{g}"].expand(ids.shape[0], cols).clone()
         tables = tuple(live[f"table{g}"] for g in range(len(key.columns)))
-        return Captured(live, pad, V4StepMetadata(tables, key.max_len))
+        return Captured(live, pad, TokenTableMetadata(tables, key.max_len))
 
     def _forward(self, cap: Captured) -> tuple[torch.Tensor, ...]:
         i = cap.inputs

@@ -22,16 +22,15 @@ the top `index_topk` entries among those whose window has closed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from laneserve.model.deepseek_v4_config import CSA, DeepseekV4Params
-from laneserve.model.deepseek_v4_ops import InterleavedRope, Norm, WeightGetter
-from laneserve.model.layers import Kernels, Linear
-
-if TYPE_CHECKING:
-    from laneserve.model.deepseek_v4_attention import LayerCaches, V4StepMetadata
+from laneserve.kernels import Kernels
+from laneserve.model.deepseek_v4.caches import LayerCaches
+from laneserve.model.deepseek_v4.config import CSA, DeepseekV4Params
+from laneserve.model.deepseek_v4.ops import InterleavedRope, Norm
+from laneserve.model.layers.attention import TokenTableMetadata
+from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.weights import WeightGetter
 
 
 def entry_slots(
@@ -121,7 +120,7 @@ class Compressor:
         x: torch.Tensor,
         positions: torch.Tensor,
         cache: LayerCaches,
-        meta: V4StepMetadata,
+        meta: TokenTableMetadata,
         first_prefill: int | None,  # tokens [first_prefill, T) are prompt tokens
     ) -> None:
         """Store the step's compressor projections, then the entries its tokens close."""
@@ -152,7 +151,7 @@ class Compressor:
         xq: torch.Tensor,  # [T, q_lora_rank]
         positions: torch.Tensor,
         cache: LayerCaches,
-        meta: V4StepMetadata,
+        meta: TokenTableMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # keys [T, K, D], additive mask [T, K]
         """Each token's compressed keys, gathered through its own row's table."""
         assert cache.entries is not None

@@ -10,30 +10,33 @@ streams of its own:
 
 `s'` feeds the next depth, as the V3 layer's normed output does. The head's cache
 group (`"mtp"`) is a sliding window of K = V entries, like the target's `swa` group.
-The head has the interface of `model/mtp.py`'s head, and it builds its attention
-metadata itself (`step_metadata`): V4 attention reads a block table
-per token, not the paged-attention metadata of the other families.
+The head has the interface of every draft head (`model/interface.py`'s `DraftHead`); its
+step kind is `token_tables`: V4 attention reads a block table per token
+(`interface.single_group_tables`), not the paged-attention metadata of the other families.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
+from laneserve.kernels import Kernels
 from laneserve.model.arch import ArchConfig, UnsupportedModelError
-from laneserve.model.deepseek_mtp import refuse_head_options
-from laneserve.model.deepseek_v4 import DeepseekV4Model, V4Layer
-from laneserve.model.deepseek_v4_attention import LayerCaches, V4StepMetadata
-from laneserve.model.deepseek_v4_config import SLIDING
-from laneserve.model.deepseek_v4_ops import HyperHead, Norm
-from laneserve.model.layers import Kernels, Linear
+from laneserve.model.deepseek.mtp import refuse_head_options
+from laneserve.model.deepseek_v4.caches import LayerCaches
+from laneserve.model.deepseek_v4.config import SLIDING
+from laneserve.model.deepseek_v4.model import DeepseekV4Model, V4Layer
+from laneserve.model.deepseek_v4.ops import HyperHead, Norm
+from laneserve.model.interface import TOKEN_TABLES
+from laneserve.model.layers.attention import TokenTableMetadata
+from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.weights import WeightGetter
 
-WeightGetter = Callable[..., torch.Tensor]
 PREFIX = "mtp.0"
 
 
 class DeepseekV4MtpHead:
+    step_kind = TOKEN_TABLES  # its group's table per token (`interface.single_group_tables`)
+
     def __init__(
         self,
         arch: ArchConfig,
@@ -62,7 +65,7 @@ class DeepseekV4MtpHead:
         next_tokens: torch.Tensor,  # [T] t[i+1] for each position i
         hidden: torch.Tensor,  # [T, N * H] the target's (or the previous depth's) streams
         positions: torch.Tensor,  # [T] i
-        meta: V4StepMetadata,  # the MTP group's table per token (`step_metadata`)
+        meta: TokenTableMetadata,  # the MTP group's table per token (`single_group_tables`)
         cache: tuple[torch.Tensor, ...],  # the MTP group's (K = V,)
     ) -> torch.Tensor:  # [T, N * H] this depth's streams
         t = next_tokens.shape[0]
@@ -79,10 +82,6 @@ class DeepseekV4MtpHead:
 
     def draft(self, streams: torch.Tensor, n: int = 1) -> torch.Tensor:  # [N, n] best first
         return self.kernels.top_tokens(self.logits(streams), n, None)
-
-    @staticmethod
-    def step_metadata(table_per_token: torch.Tensor, max_len: int) -> V4StepMetadata:
-        return V4StepMetadata((table_per_token.to(torch.int64),), max_len)
 
 
 def load_deepseek_v4_mtp(

@@ -29,13 +29,14 @@ from dataclasses import replace
 
 import torch
 
+from laneserve.kernels import Kernels
 from laneserve.kernels.reference import LAYOUT_TORCH
 from laneserve.model.arch import DeepseekParams
-from laneserve.model.layers import GatedMLP, Kernels, Linear
+from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.mlp import GatedMLP
+from laneserve.model.layers.weights import WeightGetter
 
 log = logging.getLogger(__name__)
-
-WeightGetter = Callable[..., torch.Tensor]  # (name[, dtype]) -> tensor
 
 
 def route(

@@ -1,0 +1,2 @@
+"""DeepSeek V4: hybrid (sliding / compressed) attention, hyper-connections, hashed and
+routed experts, and its MTP layer."""

@@ -1,0 +1,78 @@
+"""What the worker, the runner and the proposers know of a model: an interface, never a
+family. A model says what step metadata it takes (its *step kind*), which cache groups
+its forward reads, which decode-graph buckets fit it, and what its MTP head reads; the
+worker asks these and never checks a model's class.
+
+```
+ step kind      metadata its forward takes          caches its forward takes
+ paged          AttentionMetadata of the main group  the main group's, per layer
+ token_tables   TokenTableMetadata: every group's    every group's, per group, per layer
+                table per token (DeepSeek V4)
+```
+A draft (MTP) head has a step kind too: the metadata of its own cache group.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from laneserve.kernels import Kernels
+from laneserve.model.layers.attention import AttentionMetadata, TokenTableMetadata
+
+PAGED = "paged"
+TOKEN_TABLES = "token_tables"
+STEP_KINDS = (PAGED, TOKEN_TABLES)
+
+StepMetadata = AttentionMetadata | TokenTableMetadata
+
+
+class CausalLM(Protocol):
+    """A target model as the worker runs it."""
+
+    kernels: Kernels
+    # PAGED or TOKEN_TABLES (see the table above): what `forward` takes
+    step_kind: str
+    # the decode-graph buckets that fit it (worker/cuda_graphs*.py): a step kind, or None
+    decode_graph_kind: str | None
+    # True: forward's second output (the residual streams) is what its MTP head reads;
+    # False: the head reads the first (the normed hidden states)
+    mtp_reads_second_output: bool
+    # whether step N + 1's inputs may be prepared while step N runs
+    supports_async_prepare: bool
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, caches: Any
+    ) -> tuple[torch.Tensor, ...]:
+        """(normed hidden [T, H], a second output: pre-norm hidden or residual streams)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] fp32
+        ...
+
+
+class DraftHead(Protocol):
+    """A model's MTP head as the proposer runs it."""
+
+    kernels: Kernels
+    step_kind: str  # the metadata its forward takes for its own cache group
+
+    def forward(
+        self,
+        next_tokens: torch.Tensor,  # [T] t[i+1] for each position i
+        hidden: torch.Tensor,  # [T, H] (or streams) at i: the target's or the previous depth's
+        positions: torch.Tensor,  # [T] i
+        meta: Any,  # of `step_kind`
+        cache: tuple[torch.Tensor, ...],  # its group's tensors
+    ) -> torch.Tensor: ...
+
+    def draft(self, hidden: torch.Tensor, n: int = 1) -> torch.Tensor:  # [N, n] best first
+        ...
+
+
+def single_group_tables(table_per_token: torch.Tensor, max_len: int) -> TokenTableMetadata:
+    """TOKEN_TABLES metadata of one cache group (a draft head's): its table per token."""
+    return TokenTableMetadata((table_per_token.to(torch.int64),), max_len)
