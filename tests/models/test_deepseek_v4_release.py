@@ -52,8 +52,8 @@ def test_fixture_is_the_release_layout(release: tuple[Path, Path]) -> None:
 
 def test_every_released_tensor_is_read(release: tuple[Path, Path]) -> None:
     from laneserve.kernels import get_kernels
-    from laneserve.model.deepseek_v4 import DeepseekV4Model
-    from laneserve.model.deepseek_v4_mtp import load_deepseek_v4_mtp
+    from laneserve.model.deepseek_v4.model import DeepseekV4Model
+    from laneserve.model.deepseek_v4.mtp import load_deepseek_v4_mtp
     from laneserve.model.loader import WeightStore, resolve_checkpoint
 
     out, _ = release
