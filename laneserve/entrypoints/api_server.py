@@ -315,7 +315,6 @@ async def _sse(state: ServerState, ctx: R.Context, streams: list) -> AsyncIterat
                 for chunk in acc.opening_chunks():
                     yield R.sse(chunk)
             if d.finished and d.state.error:  # NOTE: an error event, not an empty chunk
-                _record(state, d, clock)  # counted as finished with reason "error"
                 raise request_failure(d.state.error)
             for chunk in acc.stream_chunks(i, d):
                 yield R.sse(chunk)
@@ -338,7 +337,16 @@ def _record(state: ServerState, d: Delta, clock: dict[int, float]) -> None:
         clock[key] = now
     if d.finished:
         clock.pop(key, None)
-        _finished(state, st, now, "error" if st.error else st.finish_reason)
+        if not st.error:  # NOTE: failures are counted by record_failed
+            _finished(state, st, now, st.finish_reason)
+
+
+def record_failed(state: ServerState, failed: list[RequestState]) -> None:
+    """Samples that finished with an error (AsyncLLM.on_failed), counted on the engine
+    thread: a stream that ends at its first failed sample never reads its siblings'."""
+    now = time.monotonic()
+    for st in failed:
+        _finished(state, st, now, "error")
 
 
 def record_aborted(state: ServerState, dropped: list[RequestState]) -> None:

@@ -139,7 +139,12 @@ def run(ns: argparse.Namespace) -> int:
     # NOTE: imported here, not at the top: building the parser (`--help`) stays light
     import uvicorn
 
-    from laneserve.entrypoints.api_server import ServerState, build_app, record_aborted
+    from laneserve.entrypoints.api_server import (
+        ServerState,
+        build_app,
+        record_aborted,
+        record_failed,
+    )
     from laneserve.entrypoints.slow_clients import HeaderTimeoutProtocol
     from laneserve.frontend.async_llm import AsyncLLM
 
@@ -186,6 +191,7 @@ def run(ns: argparse.Namespace) -> int:
     )
     llm.on_step = lambda engine, deltas: state.metrics.refresh(engine)
     llm.on_abort = lambda dropped: record_aborted(state, dropped)
+    llm.on_failed = lambda failed: record_failed(state, failed)
     app = build_app(state)
     dash = None
     if dash_opts is not None:

@@ -19,7 +19,7 @@ class HeaderTimeoutProtocol(H11Protocol):
     header_timeout_s = HEADER_TIMEOUT_S
     _header_timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def, override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
 

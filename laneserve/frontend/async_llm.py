@@ -72,6 +72,9 @@ class AsyncLLM:
         # called on the engine thread with the unfinished samples a caller's abort dropped
         # (a closed stream: the client left), which no delta reports
         self.on_abort: Callable[[list[RequestState]], None] | None = None
+        # called on the engine thread with every sample that finished with an error
+        # (a failed step, a dead worker), whether or not its caller still reads it
+        self.on_failed: Callable[[list[RequestState]], None] | None = None
         self.engine: LLMEngine | None = None
         self.load_error: BaseException | None = None
         self.restarting = False
@@ -247,6 +250,9 @@ class AsyncLLM:
 
     def _deliver(self, deltas: list[Delta]) -> None:
         eng = self._eng
+        failed = [d.state for d in deltas if d.finished and d.state.error]
+        if failed and self.on_failed is not None:
+            self.on_failed(failed)
         for d in deltas:
             sink = self._sinks.get(d.state.group_id)
             if sink is not None:
