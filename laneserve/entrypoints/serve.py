@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
 from laneserve.engine_args import EngineArgs
+from laneserve.entrypoints import listen
+from laneserve.model_path import check_model_path
 from laneserve.tool_calls.parsers import PARSERS
 
 if TYPE_CHECKING:
@@ -129,6 +131,7 @@ def run(ns: argparse.Namespace) -> int:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli(ns)
     try:
+        check_model_path(args.model)  # a hub id or a typo, before anything starts
         config = args.create_config()  # invalid flags fail here, before anything starts
     except ValueError as e:
         print(f"error: {e}")
@@ -138,6 +141,11 @@ def run(ns: argparse.Namespace) -> int:
         return 2
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         print("error: --enable-auto-tool-choice needs --tool-call-parser")
+        return 2
+    try:  # NOTE: before the model loads, so a busy port costs no load
+        sock = listen.bind(ns.host, ns.port)
+    except listen.PortInUseError as e:
+        print(f"error: {e}")
         return 2
     llm = AsyncLLM(config, on_step=None)
     state = ServerState(
@@ -182,7 +190,8 @@ def run(ns: argparse.Namespace) -> int:
 
     app.router.lifespan_context = lifespan
     log.info("starting laneserve on http://%s:%d (loading %s)", ns.host, ns.port, state.model_name)
-    server.run()
+    with sock:
+        server.run(sockets=[sock])
     if failed:
         print(f"error: {failed[0]}")
         return 2
