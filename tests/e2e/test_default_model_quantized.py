@@ -4,6 +4,8 @@ fp32 weights (the native kernel's reference: the same math, docs/kernels.md)."""
 
 from __future__ import annotations
 
+import pytest
+
 from laneserve import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -16,6 +18,9 @@ def _greedy(mode: str) -> list[tuple[list[int], float | None]]:
     return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
 
 
+# NOTE: slow (two loads of the real model, one of them dequantized to fp32); the same
+# equality on a tiny GGUF runs by default (tests/models/test_gguf_quantized.py)
+@pytest.mark.slow
 def test_default_model_quantized_equals_dequantized_fp32() -> None:
     got = _greedy("quantized")
     assert all(len(tokens) == 24 and logprob is not None for tokens, logprob in got)
