@@ -35,6 +35,10 @@ def _q8_greedy(**kwargs: object) -> tuple[list[list[int]], dict]:
     return [o.outputs[0].token_ids for o in outs], stats
 
 
+# NOTE: slow: without avx512_vnni q8-dot runs its torch reference, minutes for the
+# real model on two cores; the same check on a tiny GGUF runs by default
+# (tests/models/test_gguf_quantized.py)
+@pytest.mark.slow
 def test_q8_dot_speculative_equals_plain() -> None:
     """Verify rows take the same int8 arithmetic as the decode rows they replace."""
     plain, _ = _q8_greedy(async_scheduling=False)
