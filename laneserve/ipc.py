@@ -30,6 +30,7 @@ from laneserve.config import EngineConfig
 from laneserve.core.engine_core import WorkerDiedError
 from laneserve.obs.profiling import Tracer
 from laneserve.protocol import StepCommand, StepResult, WorkerFailed, WorkerReady
+from laneserve.spawn import ignore_interrupts, spawn_helper
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ _READY_TIMEOUT_S = 900.0  # first start may build the CPU kernels and convert a 
 
 def worker_main(conn_in: Connection, conn: Connection, log_level: int) -> None:
     """Entry point of the spawned worker process."""
+    ignore_interrupts()
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s worker: %(message)s", datefmt="%H:%M:%S"
     )
@@ -97,7 +99,7 @@ class ProcessClient:
             str(from_worker_w),
             str(level),
         ]
-        self.process = subprocess.Popen(cmd, pass_fds=(to_worker_r, from_worker_w))
+        self.process = spawn_helper(cmd, pass_fds=(to_worker_r, from_worker_w))
         self._stopping = False
         threading.Thread(
             target=self._watch, args=(self.process,), name="worker-watch", daemon=True
@@ -106,8 +108,12 @@ class ProcessClient:
         os.close(from_worker_w)
         self._send = Connection(to_worker_w, readable=False)
         self._conn = Connection(from_worker_r, writable=False)
-        self._send.send_bytes(protocol.encode(self.config))
-        msg = self._wait_ready()
+        try:
+            self._send.send_bytes(protocol.encode(self.config))
+            msg = self._wait_ready()
+        except BaseException:  # Ctrl-C during the start: the worker must not load on
+            self._stop(kill=True)
+            raise
         if isinstance(msg, WorkerFailed):
             self.process.wait(10)
             raise (ValueError if msg.bad_input else RuntimeError)(msg.message)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -188,3 +189,97 @@ def test_train_mtp_rejects_bad_counts(tmp_path: Path, args: list[str], message: 
         timeout=120,
     )
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+HUB_ID = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_a_hub_id_is_told_what_is_accepted(capsys: pytest.CaptureFixture) -> None:
+    """A model hub id is not a typo: the answer says what laneserve loads, that nothing
+    is downloaded and how to get the model, from `LLM()` and from the command line."""
+    from laneserve.entrypoints import cli
+
+    with pytest.raises(ValueError, match="is not a local path") as info:
+        LLM(HUB_ID)
+    message = str(info.value)
+    for part in ("a local HF model directory", ".gguf file", "downloads nothing", "download"):
+        assert part in message, message
+    assert cli.main(["generate", "hi", "--model", HUB_ID]) == 2
+    err = capsys.readouterr().err
+    assert f"error: model {HUB_ID!r} is not a local path" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match=r"does not exist \(laneserve loads a local HF"):
+        LLM("./no/such/model")  # a path, not an id: the plain answer
+
+
+def test_llm_with_a_hub_id_shows_no_laneserve_internals(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(f"from laneserve import LLM\nLLM({HUB_ID!r})\n")
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1
+    frames = [line for line in proc.stderr.splitlines() if line.lstrip().startswith('File "')]
+    # the user's line, and LLM() raising: nothing from deeper inside laneserve
+    assert len(frames) == 2 and frames[1].endswith("in __init__"), proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1].startswith("laneserve.model_path.ModelPathError")
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tiny_models: dict[str, Path]
+) -> None:
+    import socket
+
+    from laneserve.entrypoints import cli
+    from laneserve.frontend import async_llm
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(async_llm.AsyncLLM, "__init__", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = cli.main(["serve", "--model", str(tiny_models["llama"]), "--port", str(port)])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert f"error: port {port} on 127.0.0.1 is in use" in out and "--port" in out, out
+
+
+@pytest.mark.parametrize(
+    ("python", "message"),
+    [
+        ("/no/such/python", "is not an executable file"),
+        pytest.param(
+            sys.executable,
+            "has no vllm package",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here"
+            ),
+        ),
+    ],
+)
+def test_bench_offline_checks_vllm_python_before_running(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, python: str, message: str
+) -> None:
+    import laneserve
+    from laneserve.entrypoints import cli
+
+    def no_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the benchmark started")
+
+    monkeypatch.setattr(laneserve, "LLM", no_run)
+    code = cli.main(["bench", "offline", "--peers", "hf,vllm", "--vllm-python", python])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+
+
+def test_import_without_the_dependencies_says_which_python_to_use() -> None:
+    """The system Python lacks laneserve's dependencies: the import error says to use
+    the set-up environment (simulated by hiding tqdm from this one)."""
+    code = "import sys; sys.modules['tqdm'] = None; import laneserve"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError:") and "tqdm" in last, proc.stderr
+    assert "scripts/run.sh" in last and ".venv/bin/python" in last, last

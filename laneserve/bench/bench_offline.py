@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +65,8 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError(f"unknown peers {sorted(unknown)}: choose from {', '.join(PEERS)}, none")
     if any(p.startswith("vllm") for p in peers) and not ns.vllm_python:
         raise ValueError("--peers vllm needs --vllm-python PATH (the python of vLLM's environment)")
+    if any(p.startswith("vllm") for p in peers):
+        check_vllm_python(ns.vllm_python)  # NOTE: before the laneserve and HF runs
     args = EngineArgs.from_cli(ns)
     args.enable_prefix_caching = False  # repeats must not hit the cache
     args.max_num_seqs = max(args.max_num_seqs, max(batches))
@@ -145,6 +149,24 @@ def _run_hf(
             }
         )
     return rows
+
+
+def check_vllm_python(python: str) -> None:
+    """Refuse a --vllm-python that is no runnable interpreter with vLLM installed (found
+    without importing it, so the check takes a moment, not vLLM's start-up)."""
+    path = shutil.which(python) or python
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        raise ValueError(f"--vllm-python {python!r} is not an executable file")
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        proc = subprocess.run([path, "-c", probe], capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ValueError(f"--vllm-python {python!r} does not run: {e}") from None
+    if proc.returncode != 0:
+        raise ValueError(
+            f"--vllm-python {python!r} has no vllm package (exit code {proc.returncode}); "
+            "give the python of the environment where vLLM is installed"
+        )
 
 
 def _run_vllm(

@@ -78,14 +78,14 @@ def chat_loop(llm, params, system: str | None, stdin: TextIO, stdout: TextIO) ->
             print(f"unknown command {text!r}; {HELP}", file=stdout, flush=True)
             continue
         history.append({"role": "user", "content": text})
-        reply, stopped = _stream_reply(llm, history, params, stdout)
+        reply, ending = _stream_reply(llm, history, params, stdout)
         history.append({"role": "assistant", "content": reply})
-        if stopped:
-            print("\n(stopped)", file=stdout, flush=True)
+        if ending:
+            print(f"\n{ending}", file=stdout, flush=True)
 
 
-def _stream_reply(llm, history: list[dict], params, stdout: TextIO) -> tuple[str, bool]:
-    """Stream one reply; (its text, whether Ctrl-C stopped it)."""
+def _stream_reply(llm, history: list[dict], params, stdout: TextIO) -> tuple[str, str]:
+    """Stream one reply; (its text, a note on how it ended unless it ended normally)."""
     flag = StopFlag()
     previous = signal.signal(signal.SIGINT, flag.handler)
     parts: list[str] = []
@@ -99,4 +99,20 @@ def _stream_reply(llm, history: list[dict], params, stdout: TextIO) -> tuple[str
     finally:
         signal.signal(signal.SIGINT, previous)
     print(file=stdout, flush=True)
-    return "".join(parts), flag.set
+    return "".join(parts), _ending(stream, flag.set, params.max_tokens)
+
+
+def _ending(stream, stopped: bool, max_tokens: int | None) -> str:
+    """The note printed after a reply that Ctrl-C stopped, the token limit cut or an
+    error ended; nothing after one that ended at the model's end of turn."""
+    if stopped or stream.output is None:
+        return "(stopped)"
+    out = stream.output
+    if out.error:
+        return f"(error: {out.error})"
+    completion = out.outputs[0]
+    if completion.finish_reason != "length":
+        return ""
+    if max_tokens is not None and len(completion.token_ids) >= max_tokens:
+        return f"(cut at the {max_tokens}-token limit; --max-tokens sets it)"
+    return "(cut: the conversation fills the context; /reset starts over)"

@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the requests were aborted and the worker stopped
+        print("\n(interrupted)", file=sys.stderr)
         return 130
 
 

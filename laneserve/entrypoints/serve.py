@@ -21,7 +21,8 @@ import msgspec
 
 from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
 from laneserve.engine_args import EngineArgs
-from laneserve.entrypoints import dashboard_flags
+from laneserve.entrypoints import dashboard_flags, listen
+from laneserve.model_path import check_model_path
 from laneserve.reasoning import REASONING_PARSERS
 from laneserve.tool_calls.registry import PARSERS
 
@@ -155,6 +156,7 @@ def run(ns: argparse.Namespace) -> int:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli(ns)
     try:
+        check_model_path(args.model)  # a hub id or a typo, before anything starts
         config = args.create_config()  # invalid flags fail here, before anything starts
     except ValueError as e:
         print(f"error: {e}")
@@ -174,6 +176,11 @@ def run(ns: argparse.Namespace) -> int:
         config = msgspec.structs.replace(
             config, worker=msgspec.structs.replace(config.worker, lane_times=True)
         )
+    try:  # NOTE: before the model loads, so a busy port costs no load
+        sock = listen.bind(ns.host, ns.port)
+    except listen.PortInUseError as e:
+        print(f"error: {e}")
+        return 2
     llm = AsyncLLM(config, on_step=None)
     state = ServerState(
         llm,
@@ -235,7 +242,8 @@ def run(ns: argparse.Namespace) -> int:
 
     app.router.lifespan_context = lifespan
     log.info("starting laneserve on http://%s:%d (loading %s)", ns.host, ns.port, state.model_name)
-    server.run()
+    with sock:
+        server.run(sockets=[sock])
     if failed:
         print(f"error: {failed[0]}")
         return 2

@@ -11,8 +11,10 @@ from tqdm import tqdm
 
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
+from laneserve.frontend.interrupts import abort_and_drain, whole_step
 from laneserve.frontend.output_processor import RequestState, completion_output, request_metrics
 from laneserve.log_setup import show_progress_logs
+from laneserve.model_path import ModelPathError, check_model_path
 from laneserve.outputs import RequestOutput
 from laneserve.sampling_params import SamplingParams
 
@@ -27,7 +29,12 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
         show_progress_logs()
         args = EngineArgs.from_kwargs({"model": model, **kwargs})
-        self.engine = LLMEngine(args.create_config())
+        try:  # NOTE: a hub id is told what is accepted before anything loads
+            check_model_path(args.model)
+        except ModelPathError as e:  # the message says it all; laneserve's frames would not
+            raise e.with_traceback(None) from None
+        config = args.create_config()
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
         # NOTE: the lane threads keep the engine (worker, model, KV cache) reachable, so
         # an LLM dropped without shutdown() would leak them; the finalizer shuts the
@@ -137,15 +144,18 @@ class LLM:
         bar = tqdm(
             total=len(order), desc="generating", unit="req", disable=not use_tqdm or len(order) < 2
         )
-        done = 0
-        while self.engine.has_unfinished:
-            for d in self.engine.step():
-                key = d.state.request.handle
-                texts[key] = texts.get(key, "") + d.text
-                if d.finished and all(s.finish_reason for s in groups[d.state.group_id]):
-                    done += 1
-                    bar.update(1)
-        bar.close()
+        try:
+            while self.engine.has_unfinished:
+                for d in whole_step(self.engine):
+                    key = d.state.request.handle
+                    texts[key] = texts.get(key, "") + d.text
+                    if d.finished and all(s.finish_reason for s in groups[d.state.group_id]):
+                        bar.update(1)
+        except KeyboardInterrupt:
+            abort_and_drain(self.engine, order)
+            raise KeyboardInterrupt("interrupted: the requests were aborted") from None
+        finally:
+            bar.close()
         return [_request_output(rid, groups[rid], texts) for rid in order]
 
 
@@ -177,15 +187,13 @@ class TextStream:
         state = self._states[0]
         try:
             while state.finish_reason is None and self._engine.has_unfinished:
-                for d in self._engine.step():
+                for d in whole_step(self._engine):
                     if d.state is state and d.text:
                         self._text += d.text
                         yield d.text
         finally:
-            if state.finish_reason is None:
-                self._engine.abort(self._rid)
-                while self._engine.has_unfinished:  # steps already in flight
-                    self._engine.step()
+            if state.finish_reason is None:  # closed early, or Ctrl-C
+                abort_and_drain(self._engine, [self._rid])
             else:
                 texts = {state.request.handle: self._text}
                 self.output = _request_output(self._rid, self._states, texts)

@@ -22,11 +22,10 @@ import json
 import logging
 import os
 import platform
-import shutil
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from laneserve import paths
+from laneserve.kernels import ninja_build
 
 logger = logging.getLogger(__name__)
 
@@ -203,9 +203,11 @@ def bf16_dot(isa: str) -> bool:
     return isa == "avx512" and DPBF16_CPU_FLAG in (cpu_flags() or set())
 
 
-def read_sources(directory: Path = KERNEL_DIR) -> dict[str, str]:
-    """File name -> text of every source and header of the extension in ``directory``."""
-    return {p.name: (directory / p.name).read_text(encoding="utf-8") for p in (*SOURCES, *HEADERS)}
+def read_sources(directory: Path | None = None) -> dict[str, str]:
+    """File name -> text of every source and header of the extension in ``directory``
+    (default: beside this file)."""
+    folder = KERNEL_DIR if directory is None else directory
+    return {p.name: (folder / p.name).read_text(encoding="utf-8") for p in (*SOURCES, *HEADERS)}
 
 
 def build_environment() -> dict[str, str]:
@@ -220,6 +222,7 @@ def build_environment() -> dict[str, str]:
         "python_include": sysconfig.get_paths()["include"],
         "torch_include": os.pathsep.join(cpp_extension.include_paths()),
         "torch": torch.__version__,
+        **ninja_build.key_entries(),
     }
 
 
@@ -260,46 +263,68 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _ensure_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; a venv used without activation has the pip package's
-    binary but not on PATH, so add its directory (process-local, idempotent)."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja  # the pip package
-
-        bin_dir = str(ninja.BIN_DIR)
-    except (ImportError, AttributeError):
-        return
-    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-
-
 def _compile(name: str, build_dir: Path) -> str:
+    return compile_extension(
+        name, build_dir, SOURCES, CFLAGS, LDFLAGS, lambda: build_reason(build_dir)
+    )
+
+
+def compile_extension(
+    name: str,
+    build_dir: Path,
+    sources: Sequence[Path],
+    cflags: Sequence[str],
+    ldflags: Sequence[str],
+    first_reason: Callable[[], str],
+) -> str:
+    """Build (what is out of date) and load the extension, with the environment's ninja;
+    every compile is announced with its reason and each object is logged as it is
+    written (see `laneserve.kernels.ninja_build`)."""
     from torch.utils import cpp_extension
 
-    _ensure_ninja_on_path()
+    library = build_dir / f"{name}.so"
 
-    return cpp_extension.load(
-        name=name,
-        sources=[str(p) for p in SOURCES],
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=list(LDFLAGS),
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
+    def announce(folder: Path, plan: ninja_build.Plan | None) -> int:
+        if plan is not None and not plan.outputs:
+            return 0  # up to date
+        todo = len(sources) if plan is None else plan.sources
+        if not library.exists():
+            reason = first_reason()
+            logger.info(
+                "building CPU kernels: %d sources (%s) in %s; %s",
+                todo,
+                reason,
+                folder,
+                build_estimate(folder, todo),
+            )
+        else:
+            logger.info(
+                "CPU kernels out of date in %s: compiling %d of %d sources (ninja: %s); %s",
+                folder,
+                todo,
+                len(sources),
+                (plan.reason if plan else "") or "no reason given",
+                build_estimate(folder, todo),
+            )
+        return todo
+
+    with ninja_build.environment_ninja_first(), ninja_build.announced_builds(announce):
+        return cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in sources],
+            extra_cflags=list(cflags),
+            extra_ldflags=list(ldflags),
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
 
 
 @functools.cache
 def _build_and_load(name: str, build_dir: str) -> KernelLib | None:
     """Compile (if needed) and load once per process; idempotent for a given name."""
     path = Path(build_dir)
-    library = path / f"{name}.so"
-    first_build = not library.exists()
-    if first_build:
-        logger.info(
-            "building CPU kernels (%s; about 1-2 min, once) in %s", build_reason(path), path
-        )
+    before = _objects(path)
     start = time.perf_counter()
     try:
         with _build_lock(path):
@@ -308,9 +333,10 @@ def _build_and_load(name: str, build_dir: str) -> KernelLib | None:
         logger.warning("laneserve CPU kernels unavailable (build failed: %s); using torch", exc)
         return None
     elapsed = time.perf_counter() - start
-    if first_build:
-        logger.info("built CPU kernels in %.1fs", elapsed)
-        _write_build_info(path)
+    compiled = sum(1 for obj, stamp in _objects(path).items() if before.get(obj) != stamp)
+    if compiled:
+        logger.info("built CPU kernels in %.1f s (%d sources compiled)", elapsed, compiled)
+        _write_build_info(path, elapsed, compiled)
     ops = torch.ops.laneserve
     missing = [op for op in (*OPS, *INTERNAL_OPS) if not hasattr(ops, op)]
     if missing:
@@ -330,9 +356,34 @@ def _build_info() -> dict[str, str]:
     return {"sources": sources.hexdigest()[:16], "flags": flags, **build_environment()}
 
 
-def _write_build_info(path: Path) -> None:
+def _objects(path: Path) -> dict[str, int]:
+    """Object file -> its mtime in ns: a changed stamp means the build compiled it."""
+    stamps = {}
+    for obj in path.glob("*.o"):
+        with contextlib.suppress(OSError):
+            stamps[obj.name] = obj.stat().st_mtime_ns
+    return stamps
+
+
+def _write_build_info(path: Path, seconds: float, compiled: int) -> None:
+    info = {**_build_info(), "seconds": f"{seconds:.1f}", "compiled": str(compiled)}
     with contextlib.suppress(OSError):
-        (path / BUILD_INFO).write_text(json.dumps(_build_info(), indent=1))
+        (path / BUILD_INFO).write_text(json.dumps(info, indent=1))
+
+
+def build_estimate(path: Path, sources: int) -> str:
+    """How long compiling `sources` sources should take, from the newest earlier build
+    in the cache that recorded its time (this machine's own figure)."""
+    timed = []
+    for info_file in path.parent.glob("laneserve_cpu_*/" + BUILD_INFO):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            info = json.loads(info_file.read_text())
+            per_source = float(info["seconds"]) / max(1, int(info["compiled"]))
+            timed.append((info_file.stat().st_mtime, per_source))
+    if not timed:
+        return "no earlier timed build here to estimate from; a line follows per source"
+    per_source = max(timed)[1]
+    return f"about {per_source * sources:.0f} s by the last build here, a line per source"
 
 
 def build_reason(path: Path) -> str:

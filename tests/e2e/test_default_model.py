@@ -12,6 +12,7 @@ from laneserve import LLM, SamplingParams
 from laneserve.model.loader import default_model_path
 
 N = 32
+SLOW = pytest.mark.slow
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "What are three facts about the moon?"}]
 
@@ -79,12 +80,17 @@ def spec_reference(llm: LLM) -> tuple[list[dict], list[list[int]]]:
 
 @pytest.mark.parametrize(
     ("spec", "async_on"),
+    # NOTE: two cases run by default (a chain with lookup drafts, async; the int8 head's
+    # tree, sync); the others are slow (CI): the tiny-model tests in tests/spec cover
+    # each path by default, these add the shipped head on the real model
     [
-        ({"method": "mtp", "num_speculative_tokens": 1}, True),
-        ({"method": "mtp", "num_speculative_tokens": 2}, False),
+        pytest.param({"method": "mtp", "num_speculative_tokens": 1}, True, marks=SLOW),
+        pytest.param({"method": "mtp", "num_speculative_tokens": 2}, False, marks=SLOW),
         ({"method": "mtp", "num_speculative_tokens": 2, "ngram_first": True}, True),
-        ({"method": "ngram", "num_speculative_tokens": 3}, True),
-        ({"method": "mtp", "speculative_token_tree": "[(0,), (1,), (2,)]"}, True),
+        pytest.param({"method": "ngram", "num_speculative_tokens": 3}, True, marks=SLOW),
+        pytest.param(
+            {"method": "mtp", "speculative_token_tree": "[(0,), (1,), (2,)]"}, True, marks=SLOW
+        ),
         (
             {
                 "method": "mtp",

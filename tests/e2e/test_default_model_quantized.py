@@ -4,6 +4,8 @@ fp32 weights (the native kernel's reference: the same math, docs/kernels.md)."""
 
 from __future__ import annotations
 
+import pytest
+
 from laneserve import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -16,6 +18,9 @@ def _greedy(mode: str) -> list[tuple[list[int], float | None]]:
     return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
 
 
+# NOTE: slow (two loads of the real model, one of them dequantized to fp32); the same
+# equality on a tiny GGUF runs by default (tests/models/test_gguf_quantized.py)
+@pytest.mark.slow
 def test_default_model_quantized_equals_dequantized_fp32() -> None:
     got = _greedy("quantized")
     assert all(len(tokens) == 24 and logprob is not None for tokens, logprob in got)
@@ -30,6 +35,10 @@ def _q8_greedy(**kwargs: object) -> tuple[list[list[int]], dict]:
     return [o.outputs[0].token_ids for o in outs], stats
 
 
+# NOTE: slow: without avx512_vnni q8-dot runs its torch reference, minutes for the
+# real model on two cores; the same check on a tiny GGUF runs by default
+# (tests/models/test_gguf_quantized.py)
+@pytest.mark.slow
 def test_q8_dot_speculative_equals_plain() -> None:
     """Verify rows take the same int8 arithmetic as the decode rows they replace."""
     plain, _ = _q8_greedy(async_scheduling=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -46,18 +48,89 @@ def test_closing_a_stream_aborts_its_request(llm: LLM) -> None:
     assert again[0].outputs[0].finish_reason in ("length", "stop")
 
 
+def _interrupt_in_step(monkeypatch: pytest.MonkeyPatch, llm: LLM, at: int) -> list[int]:
+    """Send this process SIGINT (a Ctrl-C) from inside engine step `at`; returns the list
+    of steps that ran to their end."""
+    engine, done = llm.engine, []
+    step = engine.step
+
+    def stepping():
+        if len(done) == at:
+            os.kill(os.getpid(), signal.SIGINT)
+        out = step()
+        done.append(len(done))
+        return out
+
+    monkeypatch.setattr(engine, "step", stepping)
+    return done
+
+
+def test_ctrl_c_in_generate_aborts_after_the_step(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during `generate` lets the step finish, aborts the requests and raises a
+    plain KeyboardInterrupt; the engine then answers the next call as usual."""
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    before = llm.get_stats()["num_generation_tokens"]
+    done = _interrupt_in_step(monkeypatch, llm, at=3)
+    with pytest.raises(KeyboardInterrupt, match="the requests were aborted"):
+        llm.generate([{"prompt_token_ids": PROMPT}] * 2, params, use_tqdm=False)
+    assert done[:4] == [0, 1, 2, 3]  # the interrupted step ran to its end
+    assert not llm.engine.has_unfinished
+    assert llm.get_stats()["num_generation_tokens"] - before < 50
+    monkeypatch.undo()
+    want = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    again = llm.generate({"prompt_token_ids": PROMPT}, want, use_tqdm=False)[0].outputs[0]
+    assert again.finish_reason == "length" and len(again.token_ids) == 8
+
+
+def test_ctrl_c_in_a_stream_aborts_its_request(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    _interrupt_in_step(monkeypatch, llm, at=3)
+    pieces = []
+    with pytest.raises(KeyboardInterrupt):
+        for piece in llm.stream({"prompt_token_ids": PROMPT}, params):
+            pieces.append(piece)
+    assert pieces and len(pieces) < 50
+    assert not llm.engine.has_unfinished
+
+
 def _spawn_chat(model: Path, *extra: str) -> pexpect.spawn:
     args = ["-m", "laneserve.entrypoints.cli", "--log-level", "warning", "chat", "--model"]
     args += [str(model), "--dtype", "float32", "--max-model-len", "512", "--temperature", "0"]
     return pexpect.spawn(sys.executable, args + list(extra), encoding="utf-8", timeout=240)
 
 
+def _reply(child: pexpect.spawn, line: str, end: str = ">>> ") -> str:
+    """Send a line; the text the chat printed after the terminal's echo, up to `end`."""
+    child.sendline(line)
+    child.expect_exact(line + "\r\n")
+    child.expect_exact(end)
+    return child.before.replace("\r", "")
+
+
+def _worker_pid(chat_pid: int) -> int:
+    """The PID of the chat's worker process (its child running laneserve.ipc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == chat_pid and b"laneserve.ipc" in cmdline:
+            return int(stat.parent.name)
+    raise AssertionError(f"process {chat_pid} has no worker process")
+
+
 def test_chat_streams_resets_and_exits(tiny_models: dict[str, Path]) -> None:
-    child = _spawn_chat(tiny_models["llama"], "--max-tokens", "6")
+    child = _spawn_chat(tiny_models["llama"], "--max-tokens", "6", "--ignore-eos")
     child.expect(">>> ")
-    child.sendline("hello there")
-    child.expect(">>> ")
-    assert "Traceback" not in child.before
+    reply = _reply(child, "hello there")
+    assert "Traceback" not in reply
+    # the reply streamed text, and the chat says that the 6-token limit cut it
+    text, note = reply.rsplit("\n(cut at the 6-token limit; --max-tokens sets it)", 1)
+    assert text.strip()
+    assert note.strip() == ""
     child.sendline("/nonsense")
     child.expect("unknown command")
     child.sendline("/reset")
@@ -68,15 +141,46 @@ def test_chat_streams_resets_and_exits(tiny_models: dict[str, Path]) -> None:
     assert child.exitstatus == 0
 
 
-def test_ctrl_c_stops_a_reply_and_keeps_the_chat(tiny_models: dict[str, Path]) -> None:
-    child = _spawn_chat(tiny_models["llama"], "--max-tokens", "480", "--ignore-eos")
+@pytest.fixture(scope="module")
+def long_reply(llm: LLM) -> str:
+    """What the chat below writes for its question when nothing interrupts it."""
+    params = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+    prompt = llm.chat_prompt([{"role": "user", "content": "tell me a long story"}])
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) > 400  # the context's end
+    return out.text.replace("\r", "")
+
+
+def test_ctrl_c_stops_only_the_reply(tiny_models: dict[str, Path], long_reply: str) -> None:
+    """Ctrl-C at the prompt and during a long reply: the reply stops early, the worker
+    process lives on (the terminal's SIGINT never reaches it) and the chat goes on."""
+    child = _spawn_chat(
+        tiny_models["llama"], "--max-tokens", "480", "--ignore-eos", "--worker-mode", "process"
+    )
     child.expect(">>> ")
+    worker = _worker_pid(child.pid)
+
+    child.sendintr()  # at an empty prompt
+    child.expect_exact(">>> ")
+    assert _worker_pid(child.pid) == worker
+
     child.sendline("tell me a long story")
-    child.expect("tell me a long story\r\n")  # the terminal's echo of the line
+    child.expect_exact("tell me a long story\r\n")  # the terminal's echo of the line
     child.expect(r"\S")  # the reply has started
+    first = child.after
     child.sendintr()
-    child.expect(r"\(stopped\)")
-    child.expect(">>> ")
+    child.expect_exact("(stopped)")
+    written = (first + child.before).replace("\r", "").replace("^C", "").strip()  # ^C: echo
+    child.expect_exact(">>> ")
+    # the reply written so far is the start of the uninterrupted one, and far shorter
+    assert long_reply.lstrip().startswith(written)
+    assert len(written) < len(long_reply) / 2, (len(written), len(long_reply))
+    assert _worker_pid(child.pid) == worker
+
+    second = _reply(child, "and then?")
+    assert "Traceback" not in second and "died" not in second and "restart" not in second
+    assert second.strip()  # answered, by the same worker
+    assert _worker_pid(child.pid) == worker
     child.sendeof()  # Ctrl-D leaves
     child.expect(pexpect.EOF)
     child.close()

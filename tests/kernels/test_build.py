@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from laneserve.kernels import TorchKernels, get_kernels, load_kernels
+from laneserve.kernels import TorchKernels, get_kernels, load_kernels, ninja_build
 from laneserve.kernels import build as kbuild
 
 
@@ -118,6 +118,7 @@ _RACE_SNIPPET = r"""
 import os, sys, time
 from pathlib import Path
 from laneserve.kernels import build as kbuild
+from laneserve.kernels import ninja_build
 
 build_dir, log_path, name = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 
@@ -191,6 +192,7 @@ _HOLD_SNIPPET = r"""
 import sys, time
 from pathlib import Path
 from laneserve.kernels import build as kbuild
+from laneserve.kernels import ninja_build
 
 build_dir = Path(sys.argv[1])
 with kbuild._build_lock(build_dir):
@@ -252,3 +254,151 @@ def test_build_reason_names_what_changed(tmp_path: Path) -> None:
     _fake_build(tmp_path / "laneserve_cpu_c", {**now, "flags": "-O0"})
     os.utime(tmp_path / "laneserve_cpu_c" / kbuild.BUILD_INFO, (2.1e9, 2.1e9))
     assert kbuild.build_reason(new) == "changed: flags"
+
+
+# The real loader (key, build directory, ninja choice, log lines) on a one-file
+# extension, so that no test recompiles the kernels themselves.
+
+_TINY = 'extern "C" int laneserve_tiny() {{ return {}; }}\n'
+
+
+class TinyKernels:
+    """`build.py` pointed at a one-file extension in `root`, with the compiler wrapped
+    by a script that counts its runs."""
+
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        from torch.utils import cpp_extension
+
+        self.src = root / "src"
+        self.src.mkdir()
+        (self.src / "tiny.cpp").write_text(_TINY.format(1))
+        self.calls = root / "compiler-calls.log"
+        self.monkeypatch = monkeypatch
+        self.cpp_extension = cpp_extension
+        for attr, value in {
+            "KERNEL_DIR": self.src,
+            "SOURCES": (self.src / "tiny.cpp",),
+            "HEADERS": (),
+            "CFLAGS": ("-O0",),
+            "LDFLAGS": (),
+            "OPS": (),
+            "INTERNAL_OPS": (),
+        }.items():
+            monkeypatch.setattr(kbuild, attr, value)
+        monkeypatch.setenv(kbuild.CACHE_ENV, str(root / "cache"))
+        self.use_compiler(root / "cxx")
+
+    def use_compiler(self, wrapper: Path) -> None:
+        wrapper.write_text(f'#!/bin/sh\necho "$*" >> {self.calls}\nexec c++ "$@"\n')
+        wrapper.chmod(0o755)
+        self.monkeypatch.setenv("CXX", str(wrapper))
+
+    def compiles(self) -> int:
+        """Compiler runs that compiled a source (the link runs it too, without -c)."""
+        if not self.calls.exists():
+            return 0
+        return sum(" -c " in f" {line} " for line in self.calls.read_text().splitlines())
+
+    def load(self) -> kbuild.KernelLib | None:
+        """What `load_kernels` does, as a fresh process would (torch remembers what it
+        built in this process and would not even run ninja again)."""
+        from torch.utils.cpp_extension import ExtensionVersioner
+
+        self.monkeypatch.setattr(
+            self.cpp_extension, "JIT_EXTENSION_VERSIONER", ExtensionVersioner()
+        )
+        name = kbuild.extension_name(kbuild.read_sources(self.src))
+        return kbuild._build_and_load.__wrapped__(name, str(kbuild.cache_root() / name))
+
+
+def _path_with_ninja(first: str) -> str:
+    return os.pathsep.join([first, "/usr/bin", "/bin"])
+
+
+_ENV_NINJA = ninja_build.environment_ninja_dir()
+_SYSTEM_NINJA = "/usr/bin/ninja"
+
+
+@pytest.mark.skipif(
+    _ENV_NINJA is None
+    or not os.access(_SYSTEM_NINJA, os.X_OK)
+    or ninja_build.ninja_version(_ENV_NINJA) == ninja_build.ninja_version("/usr/bin"),
+    reason="needs the environment's ninja and another version in /usr/bin",
+)
+def test_another_ninja_on_path_rebuilds_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An activated environment (its ninja first on PATH) and a plain shell (/usr/bin's
+    first) take turns: one compile in all, the same build key, no build announced after
+    the first (two ninja releases would otherwise each rebuild the other's objects)."""
+    assert _ENV_NINJA is not None
+    tiny = TinyKernels(tmp_path, monkeypatch)
+    names = []
+    with caplog.at_level("INFO", logger="laneserve.kernels"):
+        for first in ("/usr/bin", _ENV_NINJA, "/usr/bin", _ENV_NINJA):
+            monkeypatch.setenv("PATH", _path_with_ninja(first))
+            assert tiny.load() is not None
+            names.append(kbuild.extension_name(kbuild.read_sources(tiny.src)))
+    assert tiny.compiles() == 1
+    assert len(set(names)) == 1
+    announced = [r.getMessage() for r in caplog.records if "building CPU kernels" in r.getMessage()]
+    assert len(announced) == 1 and "first build on this machine" in announced[0]
+    assert not [r for r in caplog.records if "out of date" in r.getMessage()]
+
+
+def test_without_the_environments_ninja_its_version_keys_the_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Where the ninja package is missing, PATH's ninja builds, and its version is part
+    of the key: another ninja on PATH builds into a directory of its own."""
+    fake = {}
+    for version in ("1.11.1", "1.13.2"):
+        folder = tmp_path / version
+        folder.mkdir()
+        (folder / "ninja").write_text(f"#!/bin/sh\necho {version}\n")
+        (folder / "ninja").chmod(0o755)
+        fake[version] = str(folder)
+    files = kbuild.read_sources()
+    monkeypatch.setenv("PATH", fake["1.11.1"])
+    with_env_ninja = kbuild.extension_name(files)
+    assert "ninja" not in kbuild.build_environment()  # the environment's ninja: no entry
+    monkeypatch.setattr(ninja_build, "environment_ninja_dir", lambda: None)
+    keys = {}
+    for version, folder in fake.items():
+        monkeypatch.setenv("PATH", folder)
+        assert kbuild.build_environment()["ninja"] == version
+        keys[version] = kbuild.extension_name(files)
+    assert len({with_env_ninja, *keys.values()}) == 3
+
+
+def test_every_compile_is_announced_with_its_reason(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An edited source gets a new build directory, announced as such; another compiler
+    in the same directory (ninja sees a changed command) is announced with ninja's
+    reason; each object is logged when written, and the build's time is recorded for the
+    next estimate."""
+    tiny = TinyKernels(tmp_path, monkeypatch)
+    assert tiny.load() is not None
+    (tiny.src / "tiny.cpp").write_text(_TINY.format(2))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="laneserve.kernels"):
+        assert tiny.load() is not None
+    assert tiny.compiles() == 2
+    messages = [r.getMessage() for r in caplog.records]
+    building = [m for m in messages if "building CPU kernels" in m]
+    assert len(building) == 1 and "the kernel sources changed" in building[0], messages
+    assert "about" in building[0] and "by the last build here" in building[0]
+    assert any(m.startswith("compiled tiny (1 of 1") for m in messages), messages
+    assert any(m.startswith("built CPU kernels in") for m in messages), messages
+
+    tiny.use_compiler(tmp_path / "other-cxx")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="laneserve.kernels"):
+        assert tiny.load() is not None
+    assert tiny.compiles() == 3
+    messages = [r.getMessage() for r in caplog.records]
+    stale = [m for m in messages if "out of date" in m]
+    assert len(stale) == 1 and "compiling 1 of 1 sources" in stale[0], messages
+    assert "command line changed for tiny.o" in stale[0]
+    assert any(m.startswith("compiled tiny (1 of 1") for m in messages), messages

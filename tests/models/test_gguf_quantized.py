@@ -70,3 +70,24 @@ def test_quantized_greedy_equals_dequantized_fp32(tiny_gguf: Path) -> None:
     got = _greedy(tiny_gguf, "quantized")
     assert all(logprob is not None for _, logprob in got)
     assert got == _greedy(tiny_gguf, "dequantized")
+
+
+def _q8_greedy(path: Path, **kwargs: object) -> tuple[list[list[int]], dict]:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 11, 5, 9, 11, 5, 9], [40, 2, 7, 40, 2])]
+    with LLM(str(path), gguf_weights="q8-dot", max_model_len=64, **kwargs) as llm:  # type: ignore[arg-type]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.stats()
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+def test_q8_dot_speculative_equals_plain(tiny_gguf: Path) -> None:
+    """q8-dot verify rows take the same int8 arithmetic as the decode rows they replace
+    (the embedded model's version of this check is slow)."""
+    plain, _ = _q8_greedy(tiny_gguf, async_scheduling=False)
+    spec, stats = _q8_greedy(
+        tiny_gguf,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+    )
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] > 0, stats
+    assert spec == plain

@@ -100,8 +100,10 @@ def stop_server(server: Server) -> None:
             server.proc.kill()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
+    """One server for every module without flags of its own (a start costs two
+    interpreters and a model load); modules that break it start their own."""
     s = start_server(tiny_models["llama"], "--max-queued-requests", "64")
     yield s
     stop_server(s)

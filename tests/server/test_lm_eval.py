@@ -38,6 +38,9 @@ def _hf_loglikelihood(model_dir: Path, ctx: list[int], cont: list[int]) -> float
     return sum(lp[len(ctx) + i - 1, t].item() for i, t in enumerate(cont))
 
 
+# NOTE: slow (the harness itself and a transformers reference); its requests, reproduced
+# one for one against transformers, run by default in test_echo_logprobs.py
+@pytest.mark.slow
 def test_lm_eval_local_completions_matches_transformers(
     server: Server, tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
