@@ -6,15 +6,17 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from laneserve.entrypoints.logprob_body import chat_logprobs, completion_logprobs
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from laneserve.frontend.output_processor import Delta
+from laneserve.frontend.token_bytes import CharOffsets
 from laneserve.outputs import Logprob
 from laneserve.tool_calls.choice import ToolPlan
 from laneserve.tool_calls.stream import CallDelta, delta_body, extract
 
 
 class TokenText(Protocol):
-    def token_text(self, token_id: int) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class Context:
     body: CompletionRequest | ChatCompletionRequest
     prompts: list[tuple[list[int], str | None]]
     n: int
-    tokenizer: TokenText | None = None  # echoed prompt tokens without a logprob entry
+    tokenizer: TokenText | None = None  # the tokens' real bytes (logprobs)
     tools: ToolPlan | None = None  # chat with tools: how tool calls are read back
 
     @property
@@ -46,6 +48,7 @@ class Choice:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
+    offsets: CharOffsets | None = None  # streamed completions: text_offset so far
 
 
 class Accumulator:
@@ -148,7 +151,11 @@ class Accumulator:
         c = self.add(prompt_index, d)
         if not (d.text or d.finished or (self.num_logprobs is not None and d.logprobs)):
             return []
-        lp = self._logprobs(list(d.logprobs), c.index) if self.num_logprobs is not None else None
+        lp = None
+        if self.num_logprobs is not None:
+            if c.offsets is None:  # NOTE: a streamed echo sends the prompt text first
+                c.offsets = CharOffsets(len(self._prompt_text(c.index)) if self.echo else 0)
+            lp = self._logprobs(list(d.logprobs), c.index, c.offsets)
         reason = _reason(c.finish_reason) if d.finished else None
         if c.index in self.tool_streams:
             return self._tool_chunks(c.index, d, lp, reason)
@@ -212,30 +219,23 @@ class Accumulator:
         }
 
     # -- logprobs ----------------------------------------------------------------
-    def _logprobs(self, entries: list[dict[int, Logprob] | None], index: int) -> dict:
-        """`entries` may start with echoed prompt tokens; a None entry (the first prompt
-        token has no prefix) is that prompt token with null logprobs, as vLLM reports it."""
-        n = self.num_logprobs or 0
+    def _logprobs(
+        self,
+        entries: list[dict[int, Logprob] | None],
+        index: int,
+        offsets: CharOffsets | None = None,
+    ) -> dict:
+        n, raw = self.num_logprobs or 0, self._raw_bytes
         if self.ctx.chat:
-            return {"content": [_chat_logprob(e, n) for e in entries if e is not None]}
+            return chat_logprobs(entries, n, raw)
         prompt_ids = self.ctx.prompts[index // self.ctx.n][0]
-        body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
-        offsets, pos = [], 0
-        for i, e in enumerate(entries):
-            if e is None:
-                tok = self.ctx.tokenizer
-                text = tok.token_text(prompt_ids[i]) if tok is not None else ""
-                value, top = None, None
-            else:
-                chosen = next(iter(e.values()))
-                text, value = chosen.decoded_token or "", chosen.logprob
-                top = {lp.decoded_token: lp.logprob for lp in _top(e, n)}
-            offsets.append(pos)
-            pos += len(text)
-            body["tokens"].append(text)
-            body["token_logprobs"].append(value)
-            body["top_logprobs"].append(top)
-        return {**body, "text_offset": offsets}
+        return completion_logprobs(entries, n, raw, prompt_ids, offsets or CharOffsets())
+
+    def _raw_bytes(self, token_id: int, lp: Logprob | None) -> bytes:
+        tok = self.ctx.tokenizer
+        if tok is not None:
+            return tok.token_bytes(token_id)
+        return ((lp.decoded_token if lp is not None else None) or "").encode()
 
 
 def _requested_logprobs(ctx: Context) -> int | None:
@@ -243,23 +243,6 @@ def _requested_logprobs(ctx: Context) -> int | None:
     if isinstance(body, ChatCompletionRequest):
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
-
-
-def _top(entry: dict[int, Logprob], n: int) -> list[Logprob]:
-    return sorted(
-        (lp for lp in entry.values() if lp.rank is not None and lp.rank <= n),
-        key=lambda lp: lp.rank or 0,  # every rank here is set (filtered above)
-    )
-
-
-def _chat_logprob(entry: dict[int, Logprob], n: int) -> dict:
-    chosen = next(iter(entry.values()))
-
-    def one(lp: Logprob) -> dict:
-        token = lp.decoded_token or ""
-        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
-
-    return {**one(chosen), "top_logprobs": [one(lp) for lp in _top(entry, n)]}
 
 
 def _reason(reason: str | None) -> str | None:
