@@ -31,7 +31,9 @@ from laneserve.entrypoints import responses as R
 from laneserve.entrypoints.api_errors import APIError, error_for, install_error_handlers
 from laneserve.entrypoints.middleware import GuardMiddleware
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from laneserve.entrypoints.responses_api import Hooks, add_responses_route
 from laneserve.entrypoints.streams import SSEResponse, client_left, close_all, merged
+from laneserve.entrypoints.token_routes import add_token_routes
 from laneserve.frontend.async_llm import AsyncLLM
 from laneserve.frontend.output_processor import Delta, RequestState
 from laneserve.obs.metrics import RequestTimes, ServerMetrics
@@ -99,45 +101,70 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_fields(body)
         _check_model(state, body.model)
-        if body.chat_template is not None and not state.trust_request_chat_template:
-            raise APIError(
-                400,
-                "chat_template: a request's own template needs --trust-request-chat-template",
-                param="chat_template",
-            )
-        engine = _engine(state)
-        try:
-            tools = body.tool_plan(state.tool_parser)
-        except ValueError as e:
-            raise APIError(400, str(e), param="tool_choice") from None
-        try:
-            ids = engine.tokenizer.apply_chat_template(
-                body.chat_messages(),
-                body.add_generation_prompt and not body.continue_final_message,
-                chat_template=body.chat_template,
-                chat_template_kwargs=body.chat_template_kwargs,
-                continue_final_message=body.continue_final_message,
-                tools=body.template_tools(),
-            )
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), param="messages") from None
-        prompts: list[tuple[list[int], str | None]] = [(ids, None)]
-        params = _params(
-            lambda: body.sampling_params(
-                body.max_new_tokens(), body.num_logprobs(), engine.sampling_defaults
-            )
-        )
-        if tools is not None and tools.parser is not None and tools.parser.special_markers:
-            # NOTE: the parser reads marker tokens that are special in the vocabulary
-            params = msgspec.structs.replace(params, skip_special_tokens=False)
+        prompts, params, tools = prepare_chat(state, body)
         return await _serve(
             state, request, "chatcmpl", body, prompts, params, chat=True, tools=tools
         )
 
+    add_token_routes(
+        app,
+        lambda: _engine(state),
+        lambda model: _check_model(state, model),
+        health,
+        state.trust_request_chat_template,
+    )
+    add_responses_route(
+        app,
+        Hooks(
+            state.model_name,
+            lambda model: _check_model(state, model),
+            lambda body: prepare_chat(state, body),
+            lambda prompts, params: start(state, "resp", prompts, params, True),
+            lambda d, clock: _record(state, d, clock),
+        ),
+    )
     return app
 
 
 # -- request handling ------------------------------------------------------------
+def prepare_chat(
+    state: ServerState, body: ChatCompletionRequest
+) -> tuple[list[tuple[list[int], str | None]], SamplingParams, ToolPlan | None]:
+    """The prompt (chat template applied), the sampling parameters and the tool plan
+    of a chat request (APIError: a 400 / 503)."""
+    if body.chat_template is not None and not state.trust_request_chat_template:
+        raise APIError(
+            400,
+            "chat_template: a request's own template needs --trust-request-chat-template",
+            param="chat_template",
+        )
+    engine = _engine(state)
+    try:
+        tools = body.tool_plan(state.tool_parser)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+    try:
+        ids = engine.tokenizer.apply_chat_template(
+            body.chat_messages(),
+            body.add_generation_prompt and not body.continue_final_message,
+            chat_template=body.chat_template,
+            chat_template_kwargs=body.chat_template_kwargs,
+            continue_final_message=body.continue_final_message,
+            tools=body.template_tools(),
+        )
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), param="messages") from None
+    params = _params(
+        lambda: body.sampling_params(
+            body.max_new_tokens(), body.num_logprobs(), engine.sampling_defaults
+        )
+    )
+    if tools is not None and tools.parser is not None and tools.parser.special_markers:
+        # NOTE: the parser reads marker tokens that are special in the vocabulary
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
+    return [(ids, None)], params, tools
+
+
 def _unavailable(state: ServerState) -> str | None:
     """Why the server cannot take requests now, or None."""
     llm = state.llm
@@ -231,6 +258,31 @@ async def _serve(
     chat: bool,
     tools: ToolPlan | None = None,
 ) -> Response:
+    rid, streams = await start(state, prefix, prompts, params, chat)
+    ctx = R.Context(
+        rid,
+        state.model_name,
+        int(time.time()),
+        chat,
+        body,
+        prompts,
+        params.n,
+        _engine(state).tokenizer,
+        tools,
+    )
+    if body.stream:
+        return SSEResponse(_sse(state, ctx, streams), streams)
+    return await _collect(state, request, ctx, streams)
+
+
+async def start(
+    state: ServerState,
+    prefix: str,
+    prompts: list[tuple[list[int], str | None]],
+    params: SamplingParams,
+    chat: bool,
+) -> tuple[str, list]:
+    """Check the prompts against the limits and admit them: (request id, streams)."""
     engine = _engine(state)
     _check_limits(state, engine, params, len(prompts))
     for ids, _ in prompts:
@@ -240,21 +292,7 @@ async def _serve(
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
         _check_context(engine, ids, params, chat)
     rid = f"{prefix}-{uuid.uuid4().hex}"
-    ctx = R.Context(
-        rid,
-        state.model_name,
-        int(time.time()),
-        chat,
-        body,
-        prompts,
-        params.n,
-        engine.tokenizer,
-        tools,
-    )
-    streams = await _admit(state, rid, prompts, params)
-    if body.stream:
-        return SSEResponse(_sse(state, ctx, streams), streams)
-    return await _collect(state, request, ctx, streams)
+    return rid, await _admit(state, rid, prompts, params)
 
 
 async def _admit(
@@ -354,13 +392,17 @@ def _finished(state: ServerState, st: RequestState, now: float, reason: str | No
             num_prompt=len(req.prompt_token_ids),
             num_output=len(st.token_ids),
             reason=reason,
+            group=st.group_id,
+            n=req.sampling_params.n,
         )
     )
 
 
 # -- middleware and errors ---------------------------------------------------------
 def _install_middleware(app: FastAPI, state: ServerState) -> None:
-    open_paths = {"/health", "/version"} | (set() if state.protect_metrics else {"/metrics"})
+    open_paths = {"/health", "/ping", "/version"} | (
+        set() if state.protect_metrics else {"/metrics"}
+    )
     app.add_middleware(
         GuardMiddleware,
         api_key=state.api_key,
