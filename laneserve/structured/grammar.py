@@ -59,7 +59,13 @@ def _parse_schema(text: str) -> dict[str, Any]:
 
 
 def _json_options(p: StructuredOutputsParams) -> JsonCompileOptions:
-    options: JsonCompileOptions = {"whitespace_flexible": not p.disable_any_whitespace}
+    """Compact by default: OpenAI's separators and no whitespace between tokens, so
+    a model cannot spend its budget on free whitespace. `disable_any_whitespace:
+    false` allows any JSON whitespace, a `whitespace_pattern` that whitespace.
+    (Numbers are bounded only by the schema's `minimum` / `maximum`: llguidance
+    compiles a range into digits; it has no length option for unbounded ones.)"""
     if p.whitespace_pattern is not None:
-        options["whitespace_pattern"] = p.whitespace_pattern
-    return options
+        return {"whitespace_flexible": True, "whitespace_pattern": p.whitespace_pattern}
+    if p.disable_any_whitespace is False:
+        return {"whitespace_flexible": True}
+    return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
