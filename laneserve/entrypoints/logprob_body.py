@@ -66,3 +66,23 @@ def completion_logprobs(
         body["token_logprobs"].append(value)
         body["top_logprobs"].append(top_n)
     return {**body, "text_offset": starts}
+
+
+def prompt_logprobs_body(entries: list[Entry | None] | None) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), token id ->
+    logprob (clamped at -9999 as vLLM does), rank and decoded token."""
+    if entries is None:
+        return None
+    return [
+        None
+        if e is None
+        else {
+            str(t): {
+                "logprob": max(lp.logprob, -9999.0),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for t, lp in e.items()
+        }
+        for e in entries
+    ]

@@ -6,7 +6,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from laneserve.entrypoints.logprob_body import chat_logprobs, completion_logprobs
+from laneserve.entrypoints.logprob_body import (
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_body,
+)
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from laneserve.frontend.output_processor import Delta
 from laneserve.frontend.token_bytes import CharOffsets
@@ -48,6 +52,7 @@ class Choice:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
     offsets: CharOffsets | None = None  # streamed completions: text_offset so far
 
 
@@ -61,6 +66,7 @@ class Accumulator:
         self.echo = bool(getattr(ctx.body, "echo", False))
         self.num_logprobs = _requested_logprobs(ctx)
         self.prompt_only = bool(getattr(ctx.body, "prompt_only", False))
+        self.prompt_logprobs_asked = getattr(ctx.body, "prompt_logprobs", None) is not None
         plan = ctx.tools
         self.tool_streams = {i: plan.stream() for i in self.choices} if plan else {}
         self.called: set[int] = set()  # choices that streamed a tool call
@@ -78,6 +84,7 @@ class Accumulator:
             c.logprobs += d.logprobs
         if d.finished:
             c.finish_reason = "length" if self.prompt_only else d.state.finish_reason
+            c.stop_reason = None if self.prompt_only else d.state.stop_reason
             if d.state.error:
                 self.error = d.state.error
         return c
@@ -86,7 +93,7 @@ class Accumulator:
     def response(self) -> dict:
         ctx = self.ctx
         choices = [self._choice_body(c) for c in self.choices.values()]
-        return {
+        body = {
             "id": ctx.request_id,
             "object": ctx.object_name,
             "created": ctx.created,
@@ -94,6 +101,9 @@ class Accumulator:
             "choices": choices,
             "usage": self.usage(),
         }
+        if ctx.chat and self.prompt_logprobs_asked:  # NOTE: vLLM's: one list, top level
+            body["prompt_logprobs"] = prompt_logprobs_body(self.choices[0].prompt_logprobs)
+        return body
 
     def _choice_body(self, c: Choice) -> dict:
         entries: list[dict[int, Logprob] | None] = list(c.logprobs)
@@ -114,14 +124,19 @@ class Accumulator:
                 "message": message,
                 "logprobs": lp,
                 "finish_reason": reason,
+                "stop_reason": c.stop_reason,
             }
         prompt_text = self._prompt_text(c.index) if self.echo else ""
-        return {
+        body = {
             "index": c.index,
             "text": prompt_text + c.text,
             "logprobs": lp,
             "finish_reason": _reason(c.finish_reason),
+            "stop_reason": c.stop_reason,
         }
+        if self.prompt_logprobs_asked:
+            body["prompt_logprobs"] = prompt_logprobs_body(c.prompt_logprobs)
+        return body
 
     def usage(self) -> dict:
         prompt = sum(len(ids) for ids, _ in self.ctx.prompts)
@@ -157,15 +172,23 @@ class Accumulator:
                 c.offsets = CharOffsets(len(self._prompt_text(c.index)) if self.echo else 0)
             lp = self._logprobs(list(d.logprobs), c.index, c.offsets)
         reason = _reason(c.finish_reason) if d.finished else None
+        stop = c.stop_reason if d.finished else None
         if c.index in self.tool_streams:
             return self._tool_chunks(c.index, d, lp, reason)
         if self.ctx.chat:
             return [
                 self._chunk(
-                    c.index, {"delta": {"content": d.text}, "logprobs": lp, "finish_reason": reason}
+                    c.index,
+                    {
+                        "delta": {"content": d.text},
+                        "logprobs": lp,
+                        "finish_reason": reason,
+                        "stop_reason": stop,
+                    },
                 )
             ]
-        return [self._chunk(c.index, {"text": d.text, "logprobs": lp, "finish_reason": reason})]
+        body = {"text": d.text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop}
+        return [self._chunk(c.index, body)]
 
     def _tool_chunks(self, index: int, d: Delta, lp: dict | None, reason: str | None) -> list[dict]:
         """Content and tool-call pieces as the choice's stream reads them; the
@@ -198,7 +221,8 @@ class Accumulator:
 
     def _chunk(self, index: int, body: dict) -> dict:
         ctx = self.ctx
-        choice = {"index": index, "logprobs": None, "finish_reason": None, **body}
+        choice = {"index": index, "logprobs": None, "finish_reason": None, "stop_reason": None}
+        choice.update(body)
         return {
             "id": ctx.request_id,
             "object": ctx.chunk_object,
