@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from laneserve.engine_args import EngineArgs
-from laneserve.engine_compat import checkpoint_quantization, check_vllm_flags
+from laneserve.engine_compat import check_vllm_flags, checkpoint_quantization
 
 OK = {
     "kv_cache_dtype": "auto",
@@ -52,7 +52,7 @@ def test_accepted_values(tmp_path: Path) -> None:
 )
 def test_refused_values_say_why(tmp_path: Path, change: dict, fragment: str) -> None:
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="not supported|cannot|must") as e:
+    with pytest.raises(ValueError, match=r"not supported|cannot|must") as e:
         check_vllm_flags(str(tmp_path), **{**OK, **change})
     assert fragment in str(e.value)
 
