@@ -27,7 +27,7 @@ def grammar_text(p: StructuredOutputsParams) -> str:
         schema = p.json if p.json is not None else ANY_JSON_OBJECT
         if isinstance(schema, str):
             schema = _parse_schema(schema)
-        return LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(p))
+        return LLMatcher.grammar_from_json_schema(bound_integers(schema), defaults=_json_options(p))
     if p.regex is not None:
         return LLMatcher.grammar_from_regex(p.regex)
     if p.choice is not None:
@@ -46,6 +46,29 @@ def check(p: StructuredOutputsParams) -> None:
     error = LLMatcher.validate_grammar(text)
     if error:
         raise ValueError(f"structured_outputs: invalid {p.kind}: {error.strip()}")
+
+
+# I-JSON's interoperable integer range (RFC 7493): beyond it JSON parsers lose digits
+SAFE_INT = 2**53 - 1
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
+
+
+def bound_integers(node: Any) -> Any:
+    """A copy of the schema whose integers without a bound get I-JSON's range, so
+    that a model cannot write digits until its token budget ends (llguidance
+    compiles a range into a bounded number of digits)."""
+    if isinstance(node, list):
+        return [bound_integers(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYS else bound_integers(v) for k, v in node.items()}
+    kind = node.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        if "minimum" not in node and "exclusiveMinimum" not in node:
+            out["minimum"] = -SAFE_INT
+        if "maximum" not in node and "exclusiveMaximum" not in node:
+            out["maximum"] = SAFE_INT
+    return out
 
 
 def _parse_schema(text: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from llguidance import LLMatcher, LLTokenizer
 
-from laneserve.structured.grammar import grammar_text
+from laneserve.structured.grammar import bound_integers, grammar_text
 from laneserve.structured.params import StructuredOutputsParams as S
 
 SCHEMA = {
@@ -58,3 +58,16 @@ def test_bounded_numbers_through_the_schema(tok: LLTokenizer) -> None:
 def test_disable_any_whitespace_must_be_a_boolean() -> None:
     with pytest.raises(ValueError, match="boolean"):
         S(json=SCHEMA, disable_any_whitespace="yes")  # type: ignore[arg-type]
+
+
+def test_unbounded_integers_get_the_safe_range(tok: LLTokenizer) -> None:
+    p = S(json=SCHEMA)
+    assert accepts(tok, p, '{"city":"x","population":9007199254740991}')
+    assert accepts(tok, p, '{"city":"x","population":-9007199254740991}')
+    assert not accepts(tok, p, '{"city":"x","population":9007199254740992}')
+    assert not accepts(tok, p, '{"city":"x","population":11111111111111111111}')
+    # a schema's own bounds stay; enum / const values are data, left alone
+    own = {"type": "integer", "minimum": 5}
+    assert bound_integers(own) == {"type": "integer", "minimum": 5, "maximum": 2**53 - 1}
+    data = {"enum": [{"type": "integer"}]}
+    assert bound_integers(data) == data
