@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
 from laneserve.engine_args import EngineArgs
-from laneserve.tool_calls.parsers import PARSERS
+from laneserve.tool_calls.registry import PARSERS
 
 if TYPE_CHECKING:
     from laneserve.entrypoints.api_server import ServerState

@@ -2,6 +2,7 @@
 from a stream of text (`stream`), and what a request's `tool_choice` asks of the
 output (`choice`)."""
 
-from laneserve.tool_calls.parsers import PARSERS, ToolCall, ToolParser, get_parser
+from laneserve.tool_calls.parsers import ToolCall, ToolParser
+from laneserve.tool_calls.registry import PARSERS, get_parser
 
 __all__ = ["PARSERS", "ToolCall", "ToolParser", "get_parser"]

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from laneserve.tool_calls.parsers import ToolParser, get_parser
+from laneserve.tool_calls.parsers import ToolParser
+from laneserve.tool_calls.registry import get_parser
 from laneserve.tool_calls.stream import CallArray, NamedCall, ParsedCalls, ToolStream
 
 AUTO_NEEDS = (

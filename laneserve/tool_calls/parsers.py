@@ -14,7 +14,8 @@ tool-call section starts (`start`), how many trailing characters might be the
 beginning of its marker and must not be streamed as content yet (`hold`), and
 which calls the section holds (`calls`; `final` also accepts a last call the
 model did not close). `laneserve.tool_calls.stream` builds streaming and whole
-extraction on these three.
+extraction on these three. `registry.py` maps the flag's names to the parsers
+(these and parsers_more.py's).
 """
 
 from __future__ import annotations
@@ -173,16 +174,3 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
         r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>",
         re.DOTALL,
     )
-
-
-PARSERS: dict[str, type] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, DeepSeekV3Parser, DeepSeekV31Parser)
-}
-
-
-def get_parser(name: str) -> ToolParser:
-    cls = PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {sorted(PARSERS)}")
-    parser: ToolParser = cls()
-    return parser
