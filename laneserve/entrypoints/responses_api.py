@@ -15,11 +15,13 @@ call is known only once its text is complete), so its items come at the end.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -28,7 +30,7 @@ from laneserve.entrypoints.openai_protocol import ChatCompletionRequest
 from laneserve.entrypoints.responses_events import events
 from laneserve.entrypoints.responses_protocol import ResponsesRequest
 from laneserve.entrypoints.responses_run import Run
-from laneserve.entrypoints.streams import SSEResponse, merged
+from laneserve.entrypoints.streams import SSEResponse, client_left, close_all, merged
 from laneserve.frontend.output_processor import Delta
 from laneserve.tool_calls.choice import ToolPlan
 
@@ -48,7 +50,7 @@ class Hooks:
 
 def add_responses_route(app: FastAPI, hooks: Hooks) -> None:
     @app.post("/v1/responses")
-    async def create(body: ResponsesRequest) -> Response:
+    async def create(body: ResponsesRequest, request: Request) -> Response:
         hooks.check_model(body.model)
         refused = body.refused()
         if refused is not None:
@@ -64,7 +66,24 @@ def add_responses_route(app: FastAPI, hooks: Hooks) -> None:
             run.body = body.model_copy(update={"model": hooks.model_name})
         if body.stream:
             return SSEResponse(events(run, streams, hooks.record), streams)
-        return JSONResponse(await collect(run, streams, hooks.record))
+        return await _answer(request, run, streams, hooks.record)
+
+
+async def _answer(request: Request, run: Run, streams: list, record) -> Response:
+    """The whole response, unless the client leaves first (its request is aborted)."""
+    task = asyncio.create_task(collect(run, streams, record))
+    gone = asyncio.create_task(client_left(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)
+        return JSONResponse(task.result())
+    finally:
+        gone.cancel()
+        await close_all(streams)
 
 
 async def collect(run: Run, streams: list, record) -> dict:
