@@ -86,7 +86,7 @@ class PythonicParser:
             return []  # NOTE: the list is still being written
         if not isinstance(tree, ast.List):
             return []
-        out = []
+        out: list[ToolCall] = []
         for node in tree.elts:
             call = _call(node)
             if call is None:
