@@ -5,7 +5,11 @@ import sys
 try:
     from laneserve.frontend.llm import LLM
     from laneserve.outputs import CompletionOutput, RequestOutput
-    from laneserve.sampling_params import SamplingParams, StructuredOutputsParams
+    from laneserve.sampling_params import (
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 except ModuleNotFoundError as e:  # a dependency is missing: another interpreter
     if e.name is None or e.name.startswith("laneserve"):
         raise
@@ -21,6 +25,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
     "__version__",

@@ -38,6 +38,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     generation_config: str = "vllm"  # "auto": the model's generation_config.json defaults
     gguf_weights: str = "quantized"  # one of GGUF_WEIGHTS (CPU only; see docs/kernels.md)
     enforce_eager: bool = False  # CUDA: no decode graphs (CPU always runs eagerly)
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs per request (--max-logprobs)
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

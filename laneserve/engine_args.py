@@ -31,6 +31,7 @@ from laneserve.config import (
     default_worker_mode,
     speculative_keys_help,
 )
+from laneserve.engine_compat import check_vllm_flags
 
 
 def _arg(
@@ -174,9 +175,35 @@ class EngineArgs:
         False, "accepted for vLLM compatibility; no remote code ever runs here"
     )
     tensor_parallel_size: int = _arg(1, "devices per model; only 1 is supported")
+    # vLLM's flags with a narrower meaning here (engine_compat.py)
+    kv_cache_dtype: str = _arg("auto", "KV cache dtype; only auto (the model's dtype)")
+    quantization: str | None = _arg(
+        None, "the checkpoint's own quantization (fp8, gguf); laneserve does not quantize"
+    )
+    load_format: str = _arg("auto", "auto or safetensors (gguf for a GGUF file)")
+    enable_chunked_prefill: bool | None = _arg(
+        None, "long prompts are always prefilled in chunks; turning it off is refused"
+    )
+    max_logprobs: int = _from_config(
+        ModelConfig, "max_logprobs", "most logprobs / prompt_logprobs a request may ask for"
+    )
+    swap_space: float = _arg(
+        4.0, "accepted with no effect: preemption recomputes, no KV block swaps to CPU"
+    )
+    disable_log_stats: bool = _arg(
+        False, "accepted with no effect: laneserve logs no periodic stats line (see /metrics)"
+    )
 
     def _check_compat(self) -> None:
         """vLLM's arguments that laneserve accepts with a narrower meaning."""
+        check_vllm_flags(
+            self.model,
+            kv_cache_dtype=self.kv_cache_dtype,
+            quantization=self.quantization,
+            load_format=self.load_format,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_logprobs=self.max_logprobs,
+        )
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size {self.tensor_parallel_size} is not supported: "
@@ -214,6 +241,7 @@ class EngineArgs:
                 use_kernels=self.use_kernels,
                 gguf_weights=self.gguf_weights,
                 enforce_eager=self.enforce_eager,
+                max_logprobs=self.max_logprobs,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -7,11 +7,24 @@ msgspec Struct so it crosses the engine/worker boundary as it is.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from laneserve.structured.params import StructuredOutputsParams
 
-__all__ = ["SamplingParams", "StructuredOutputsParams"]
+__all__ = ["RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What `LLM.llm_engine.step()` returns for a request (vLLM's names): everything so
+    far, only what is new since the last step, or only the finished output.
+    `LLM.generate` / `LLM.chat` return finished outputs whatever this says (as vLLM)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
 
 _MAX_LOGPROBS = 20
 _MAX_BIAS = 100.0  # OpenAI's range for logit_bias values
@@ -56,8 +69,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logit_bias: dict[int, float] | None = None
     # the output must match a JSON schema / regex / choice / grammar (laneserve/structured)
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(
+                f"output_kind must be a RequestOutputKind (0, 1 or 2), got {self.output_kind!r}"
+            ) from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:  # vLLM's older spelling of "disabled"

@@ -59,7 +59,9 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
     num_prefill_chunks: int = 0  # prefill pieces that did not end their prompt
-    num_prompt_tokens: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens prefilled (again after a preemption)
+    num_request_prompt_tokens: int = 0  # every request's whole prompt, once (cached included)
+    num_cached_prompt_tokens: int = 0  # ... of which the prefix cache held
     num_generation_tokens: int = 0
     num_drafts: int = 0
     num_accepted: int = 0
@@ -218,6 +220,8 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
                 req.scheduled_time = time.monotonic()
+                self.stats.num_request_prompt_tokens += len(req.prompt_token_ids)
+                self.stats.num_cached_prompt_tokens += num_hit
             req.num_computed_tokens = num_hit
             resumed = req.registered
             if not req.registered:

@@ -38,7 +38,9 @@ from laneserve.entrypoints.api_errors import (
 from laneserve.entrypoints.middleware import GuardMiddleware
 from laneserve.entrypoints.offload import Offload, call
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from laneserve.entrypoints.responses_api import Hooks, add_responses_route
 from laneserve.entrypoints.streams import SSEResponse, client_left, close_all, merged
+from laneserve.entrypoints.token_routes import add_token_routes
 from laneserve.frontend.async_llm import AsyncLLM
 from laneserve.frontend.output_processor import Delta, RequestState
 from laneserve.obs.metrics import RequestTimes, ServerMetrics
@@ -112,25 +114,48 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_fields(body)
         _check_model(state, body.model)
-        if body.chat_template is not None and not state.trust_request_chat_template:
-            raise APIError(
-                400,
-                "chat_template: a request's own template needs --trust-request-chat-template",
-                param="chat_template",
-            )
-        engine = _engine(state)
-        ready = await _prepared(state, call(prepare.chat, engine, body, state.tool_parser))
-        prompts, params, tools = ready.prompts, ready.params, ready.tools
+        ready = await prepare_chat(state, body)
         reasoning = reasoning_plan(state.reasoning_parser, body.chat_template_kwargs)
+        prompts, params, tools = ready.prompts, ready.params, ready.tools
         return await _serve(
             state, request, "chatcmpl", body, prompts, params, chat=True, tools=tools,
             reasoning=reasoning,
         )  # fmt: skip
 
+    add_token_routes(
+        app,
+        lambda: _engine(state),
+        lambda model: _check_model(state, model),
+        health,
+        state.trust_request_chat_template,
+    )
+    add_responses_route(
+        app,
+        Hooks(
+            state.model_name,
+            lambda model: _check_model(state, model),
+            lambda body: prepare_chat(state, body),
+            lambda prompts, params: start(state, "resp", prompts, params, True),
+            lambda d, clock: _record(state, d, clock),
+        ),
+    )
     return app
 
 
 # -- request handling ------------------------------------------------------------
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> prepare.Prepared:
+    """The prompt (chat template applied), the sampling parameters and the tool plan
+    of a chat request, made off the event loop (APIError: a 400 / 503)."""
+    if body.chat_template is not None and not state.trust_request_chat_template:
+        raise APIError(
+            400,
+            "chat_template: a request's own template needs --trust-request-chat-template",
+            param="chat_template",
+        )
+    engine = _engine(state)
+    return await _prepared(state, call(prepare.chat, engine, body, state.tool_parser))
+
+
 def _unavailable(state: ServerState) -> str | None:
     """Why the server cannot take requests now, or None."""
     llm = state.llm
@@ -233,6 +258,34 @@ async def _serve(
     tools: ToolPlan | None = None,
     reasoning: ReasoningPlan | None = None,
 ) -> Response:
+    if await request.is_disconnected():  # NOTE: gone while it was prepared: not admitted
+        return Response(status_code=499)
+    rid, streams = await start(state, prefix, prompts, params, chat)
+    ctx = R.Context(
+        rid,
+        state.model_name,
+        int(time.time()),
+        chat,
+        body,
+        prompts,
+        params.n,
+        _engine(state).tokenizer,
+        tools,
+        reasoning,
+    )
+    if body.stream:
+        return SSEResponse(_sse(state, ctx, streams), streams)
+    return await _collect(state, request, ctx, streams)
+
+
+async def start(
+    state: ServerState,
+    prefix: str,
+    prompts: list[tuple[list[int], str | None]],
+    params: SamplingParams,
+    chat: bool,
+) -> tuple[str, list]:
+    """Check the prompts against the limits and admit them: (request id, streams)."""
     engine = _engine(state)
     _check_limits(state, engine, params, len(prompts))
     for ids, _ in prompts:
@@ -242,24 +295,7 @@ async def _serve(
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
         _check_context(engine, ids, params, chat)
     rid = f"{prefix}-{uuid.uuid4().hex}"
-    ctx = R.Context(
-        rid,
-        state.model_name,
-        int(time.time()),
-        chat,
-        body,
-        prompts,
-        params.n,
-        engine.tokenizer,
-        tools,
-        reasoning,
-    )
-    if await request.is_disconnected():  # NOTE: gone while it was prepared: not admitted
-        return Response(status_code=499)
-    streams = await _admit(state, rid, prompts, params)
-    if body.stream:
-        return SSEResponse(_sse(state, ctx, streams), streams)
-    return await _collect(state, request, ctx, streams)
+    return rid, await _admit(state, rid, prompts, params)
 
 
 async def _admit(
@@ -368,13 +404,17 @@ def _finished(state: ServerState, st: RequestState, now: float, reason: str | No
             num_prompt=len(req.prompt_token_ids),
             num_output=len(st.token_ids),
             reason=reason,
+            group=st.group_id,
+            n=req.sampling_params.n,
         )
     )
 
 
 # -- middleware and errors ---------------------------------------------------------
 def _install_middleware(app: FastAPI, state: ServerState) -> None:
-    open_paths = {"/health", "/version"} | (set() if state.protect_metrics else {"/metrics"})
+    open_paths = {"/health", "/ping", "/version"} | (
+        set() if state.protect_metrics else {"/metrics"}
+    )
     app.add_middleware(
         GuardMiddleware,
         api_key=state.api_key,

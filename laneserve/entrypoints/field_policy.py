@@ -46,7 +46,6 @@ NEUTRAL: dict[str, Callable[[object], bool]] = {
     "function_call": _no_tool_choice,
     "functions": _off,
     "guided_decoding_backend": _off,
-    "prompt_logprobs": _off,
     "use_beam_search": _off,
     "modalities": _text_modalities,
     "audio": _off,

@@ -112,6 +112,7 @@ class _Common(BaseModel):
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and the answer's token ids
     user: Text | None = None
     logit_bias: dict[str, StrictFloat] | None = None  # OpenAI: token ids as strings
+    prompt_logprobs: StrictInt | None = None  # vLLM's: top-n logprobs of every prompt token
     # structured output (laneserve/structured/request_fields.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -139,6 +140,7 @@ class _Common(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": self._token_bias(),
             "structured_outputs": self.structured(),
+            "prompt_logprobs": self._prompt_logprobs(),
         }
         optional = {
             "temperature": self.temperature,
@@ -169,6 +171,11 @@ class _Common(BaseModel):
 
     def _structured_fields(self) -> dict[str, Any] | None:
         return self.structured_outputs.fields() if self.structured_outputs else None
+
+    def _prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available when streaming (as in vLLM)")
+        return self.prompt_logprobs
 
     def _token_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -213,7 +220,8 @@ class CompletionRequest(_Common):
         max_tokens = 1 if self.prompt_only else self.max_tokens
         params = self.sampling_params(max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None and not self.stream:
-            params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
+            wanted = max(self.logprobs, params.prompt_logprobs or 0)
+            params = msgspec.structs.replace(params, prompt_logprobs=wanted)
         return params
 
     def prompts(self) -> list[str | list[int]]:

@@ -7,15 +7,21 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from laneserve.entrypoints.chat_parsing import ChoiceParser, delta_of, message_of
+from laneserve.entrypoints.logprob_body import (
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_body,
+)
 from laneserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from laneserve.frontend.output_processor import Delta
+from laneserve.frontend.token_bytes import CharOffsets
 from laneserve.outputs import Logprob
 from laneserve.reasoning import ReasoningPlan
 from laneserve.tool_calls.choice import ToolPlan
 
 
 class TokenText(Protocol):
-    def token_text(self, token_id: int) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -27,7 +33,7 @@ class Context:
     body: CompletionRequest | ChatCompletionRequest
     prompts: list[tuple[list[int], str | None]]
     n: int
-    tokenizer: TokenText | None = None  # echoed prompt tokens without a logprob entry
+    tokenizer: TokenText | None = None  # the tokens' real bytes (logprobs)
     tools: ToolPlan | None = None  # chat with tools: how tool calls are read back
     reasoning: ReasoningPlan | None = None  # chat with a reasoning parser: thinking split off
 
@@ -49,6 +55,8 @@ class Choice:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    offsets: CharOffsets | None = None  # streamed completions: text_offset so far
 
 
 class Accumulator:
@@ -67,6 +75,7 @@ class Accumulator:
         self.parsers = (
             {i: ChoiceParser(ctx.reasoning, ctx.tools) for i in self.choices} if parsed else {}
         )
+        self.prompt_logprobs_asked = getattr(ctx.body, "prompt_logprobs", None) is not None
 
     def _choice(self, prompt_index: int, d: Delta) -> Choice:
         return self.choices[prompt_index * self.ctx.n + d.state.index]
@@ -82,6 +91,7 @@ class Accumulator:
             c.logprobs += d.logprobs
         if d.finished:
             c.finish_reason = "length" if self.prompt_only else d.state.finish_reason
+            c.stop_reason = None if self.prompt_only else d.state.stop_reason
             if d.state.error:
                 self.error = d.state.error
         return c
@@ -105,6 +115,8 @@ class Accumulator:
                 body["token_ids"] = c.token_ids
                 if not ctx.chat:
                     body["prompt_token_ids"] = ctx.prompts[c.index // ctx.n][0]
+        if ctx.chat and self.prompt_logprobs_asked:  # NOTE: vLLM's: one list, top level
+            out["prompt_logprobs"] = prompt_logprobs_body(self.choices[0].prompt_logprobs)
         return out
 
     def _choice_body(self, c: Choice) -> dict:
@@ -125,14 +137,19 @@ class Accumulator:
                 "message": message,
                 "logprobs": lp,
                 "finish_reason": reason,
+                "stop_reason": c.stop_reason,
             }
         prompt_text = self._prompt_text(c.index) if self.echo else ""
-        return {
+        body = {
             "index": c.index,
             "text": prompt_text + c.text,
             "logprobs": lp,
             "finish_reason": _reason(c.finish_reason),
+            "stop_reason": c.stop_reason,
         }
+        if self.prompt_logprobs_asked:
+            body["prompt_logprobs"] = prompt_logprobs_body(c.prompt_logprobs)
+        return body
 
     def usage(self) -> dict:
         prompt = sum(len(ids) for ids, _ in self.ctx.prompts)
@@ -166,17 +183,29 @@ class Accumulator:
         if not (d.text or d.finished or (d.token_ids and self.token_ids) or
                 (self.num_logprobs is not None and d.logprobs)):  # fmt: skip
             return []
-        lp = self._logprobs(list(d.logprobs), c.index) if self.num_logprobs is not None else None
+        lp = None
+        if self.num_logprobs is not None:
+            if c.offsets is None:  # NOTE: a streamed echo sends the prompt text first
+                c.offsets = CharOffsets(len(self._prompt_text(c.index)) if self.echo else 0)
+            lp = self._logprobs(list(d.logprobs), c.index, c.offsets)
         reason = _reason(c.finish_reason) if d.finished else None
+        stop = c.stop_reason if d.finished else None
         if c.index in self.parsers:
             return self._parsed_chunks(c.index, d, lp, reason)
         if self.ctx.chat:
             return [
                 self._chunk(
-                    c.index, {"delta": {"content": d.text}, "logprobs": lp, "finish_reason": reason}
+                    c.index,
+                    {
+                        "delta": {"content": d.text},
+                        "logprobs": lp,
+                        "finish_reason": reason,
+                        "stop_reason": stop,
+                    },
                 )
             ]
-        return [self._chunk(c.index, {"text": d.text, "logprobs": lp, "finish_reason": reason})]
+        body = {"text": d.text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop}
+        return [self._chunk(c.index, body)]
 
     def _parsed_chunks(
         self, index: int, d: Delta, lp: dict | None, reason: str | None
@@ -214,7 +243,8 @@ class Accumulator:
 
     def _chunk(self, index: int, body: dict) -> dict:
         ctx = self.ctx
-        choice = {"index": index, "logprobs": None, "finish_reason": None, **body}
+        choice = {"index": index, "logprobs": None, "finish_reason": None, "stop_reason": None}
+        choice.update(body)
         return {
             "id": ctx.request_id,
             "object": ctx.chunk_object,
@@ -235,30 +265,23 @@ class Accumulator:
         }
 
     # -- logprobs ----------------------------------------------------------------
-    def _logprobs(self, entries: list[dict[int, Logprob] | None], index: int) -> dict:
-        """`entries` may start with echoed prompt tokens; a None entry (the first prompt
-        token has no prefix) is that prompt token with null logprobs, as vLLM reports it."""
-        n = self.num_logprobs or 0
+    def _logprobs(
+        self,
+        entries: list[dict[int, Logprob] | None],
+        index: int,
+        offsets: CharOffsets | None = None,
+    ) -> dict:
+        n, raw = self.num_logprobs or 0, self._raw_bytes
         if self.ctx.chat:
-            return {"content": [_chat_logprob(e, n) for e in entries if e is not None]}
+            return chat_logprobs(entries, n, raw)
         prompt_ids = self.ctx.prompts[index // self.ctx.n][0]
-        body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
-        offsets, pos = [], 0
-        for i, e in enumerate(entries):
-            if e is None:
-                tok = self.ctx.tokenizer
-                text = tok.token_text(prompt_ids[i]) if tok is not None else ""
-                value, top = None, None
-            else:
-                chosen = next(iter(e.values()))
-                text, value = chosen.decoded_token or "", chosen.logprob
-                top = {lp.decoded_token: lp.logprob for lp in _top(e, n)}
-            offsets.append(pos)
-            pos += len(text)
-            body["tokens"].append(text)
-            body["token_logprobs"].append(value)
-            body["top_logprobs"].append(top)
-        return {**body, "text_offset": offsets}
+        return completion_logprobs(entries, n, raw, prompt_ids, offsets or CharOffsets())
+
+    def _raw_bytes(self, token_id: int, lp: Logprob | None) -> bytes:
+        tok = self.ctx.tokenizer
+        if tok is not None:
+            return tok.token_bytes(token_id)
+        return ((lp.decoded_token if lp is not None else None) or "").encode()
 
 
 def _requested_logprobs(ctx: Context) -> int | None:
@@ -266,23 +289,6 @@ def _requested_logprobs(ctx: Context) -> int | None:
     if isinstance(body, ChatCompletionRequest):
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
-
-
-def _top(entry: dict[int, Logprob], n: int) -> list[Logprob]:
-    return sorted(
-        (lp for lp in entry.values() if lp.rank is not None and lp.rank <= n),
-        key=lambda lp: lp.rank or 0,  # every rank here is set (filtered above)
-    )
-
-
-def _chat_logprob(entry: dict[int, Logprob], n: int) -> dict:
-    chosen = next(iter(entry.values()))
-
-    def one(lp: Logprob) -> dict:
-        token = lp.decoded_token or ""
-        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
-
-    return {**one(chosen), "top_logprobs": [one(lp) for lp in _top(entry, n)]}
 
 
 def _reason(reason: str | None) -> str | None:

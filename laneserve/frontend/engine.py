@@ -112,6 +112,11 @@ class LLMEngine:
         """The limits of this model (context, vocabulary); ValueError names the field."""
         self.core.check_prompt(prompt_ids)
         self.core.check_params(params)
+        limit = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > limit:
+                raise ValueError(f"{name}: {asked} is over the server's --max-logprobs ({limit})")
         vocab = self.core.ready.vocab_size
         bad = next((t for t in params.stop_token_ids or () if t >= vocab), None)
         if bad is not None:

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
 from laneserve.frontend.interrupts import abort_and_drain, whole_step
+from laneserve.frontend.engine_view import EngineView
 from laneserve.frontend.output_processor import RequestState, completion_output, request_metrics
 from laneserve.log_setup import show_progress_logs
 from laneserve.model_path import ModelPathError, check_model_path
@@ -35,12 +36,20 @@ class LLM:
             raise e.with_traceback(None) from None
         config = args.create_config()
         self.engine = LLMEngine(config)
+        self._view: EngineView | None = None
         self._ids = itertools.count()
         # NOTE: the lane threads keep the engine (worker, model, KV cache) reachable, so
         # an LLM dropped without shutdown() would leak them; the finalizer shuts the
         # engine down when this object is collected (or at exit). It must not hold
         # `self`, and it runs at most once (shutdown() calls it too).
         self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine)
+
+    @property
+    def llm_engine(self) -> EngineView:
+        """vLLM's step-by-step engine calls (add_request, step, ...; engine_view.py)."""
+        if self._view is None:
+            self._view = EngineView(self.engine)
+        return self._view
 
     def get_tokenizer(self):
         return self.engine.tokenizer.hf

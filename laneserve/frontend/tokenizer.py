@@ -8,6 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from laneserve.chat_formats import render_chat
+from laneserve.frontend.token_bytes import TokenBytes
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class Tokenizer:
         self.all_special_ids = set(self.hf.all_special_ids)
         self.chat_template = _load_template(chat_template)
         self.chat_format = chat_format
+        self._bytes = TokenBytes(self.hf)
 
     @property
     def has_chat_template(self) -> bool:
@@ -46,14 +48,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return _text(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's real bytes (a byte-level symbol such as `ðŁ` is two bytes)."""
+        return self._bytes.of(token_id)
+
     def token_text(self, token_id: int) -> str:
-        """One token as text; a token that is only part of a UTF-8 character is
-        shown as its raw vocabulary entry (unique, unlike U+FFFD)."""
-        text = _text(self.hf.decode([token_id], skip_special_tokens=False))
-        if "\ufffd" in text:
-            raw = self.hf.convert_ids_to_tokens(token_id)
-            return raw if isinstance(raw, str) else text
-        return text
+        """One token as text; a token that is not valid UTF-8 on its own (part of a
+        character) is `bytes:\\xHH...`, as OpenAI's API shows it."""
+        return self._bytes.text(token_id)
 
     def apply_chat_template(
         self,

@@ -2,8 +2,9 @@
 server, no globals), so that dashboards built for vLLM work unchanged; the table
 is docs/metrics.md.
 
-Every series exists from the start with zero values: the `model_name` children
-(and `finished_reason` / `position` ones) are created here, not on first use.
+Every series carries vLLM's `model_name` and `engine` labels (one engine core:
+`engine="0"`) and exists from the start with zero values: the children (and the
+`finished_reason` / `position` / `source` ones) are created here, not on first use.
 Gauges are refreshed from the engine after every step; counters move by the
 difference since the last refresh; request histograms are observed once per
 finished request, token-gap histograms per streamed token gap.
@@ -19,13 +20,17 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5,
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480)
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # 1 .. 5e6
 FINISHED_REASONS = ("stop", "length", "abort", "error")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit")
+ENGINE = "0"  # vLLM's `engine` label: the engine core's index (laneserve runs one)
 
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.labels = {"model_name": model_name, "engine": ENGINE}
         self._last: dict[str, int] = {}
+        self._groups: dict[str, list[int]] = {}  # request -> [samples left, most tokens]
         self._described = False
         self._gauges()
         self._counters()
@@ -36,10 +41,15 @@ class ServerMetrics:
         self.running = self._make(Gauge, "num_requests_running", "requests in the running set")
         self.waiting = self._make(Gauge, "num_requests_waiting", "requests waiting to be scheduled")
         self.kv_usage = self._make(Gauge, "kv_cache_usage_perc", "fraction of KV blocks in use")
+        # vLLM's older names, still read by its earlier dashboards: the same KV usage;
+        # no CPU swap tier and no swapped requests here (preemption recomputes), so 0
+        self.gpu_usage = self._make(Gauge, "gpu_cache_usage_perc", "fraction of KV blocks in use")
+        self._make(Gauge, "cpu_cache_usage_perc", "CPU swap-space KV usage (none: always 0)")
+        self._make(Gauge, "num_requests_swapped", "requests swapped to CPU (none: always 0)")
         self.cache_info = Gauge(
             "vllm:cache_config_info",
             "the KV cache's configuration (labels; value 1)",
-            ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            ["model_name", "engine", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
             registry=self.registry,
         )
 
@@ -48,7 +58,16 @@ class ServerMetrics:
         self.prefix_queries = c(Counter, "prefix_cache_queries", "prompt tokens looked up")
         self.prefix_hits = c(Counter, "prefix_cache_hits", "prompt tokens found in the cache")
         self.preemptions = c(Counter, "num_preemptions", "requests preempted")
-        self.prompt_tokens = c(Counter, "prompt_tokens", "prompt tokens prefilled")
+        self.prompt_tokens = c(Counter, "prompt_tokens", "prompt tokens (cached included)")
+        self.prompt_cached = c(Counter, "prompt_tokens_cached", "prompt tokens from the cache")
+        self.prompt_by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "prompt tokens, by where their KV came from",
+            ["model_name", "engine", "source"],
+            registry=self.registry,
+        )
+        for source in PROMPT_SOURCES:
+            self.prompt_by_source.labels(**self.labels, source=source)
         self.generation_tokens = c(Counter, "generation_tokens", "tokens generated")
         self.spec_num_drafts = c(Counter, "spec_decode_num_drafts", "steps that verified drafts")
         self.spec_drafts = c(Counter, "spec_decode_num_draft_tokens", "draft tokens verified")
@@ -56,25 +75,25 @@ class ServerMetrics:
         self.spec_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "draft tokens accepted, by draft position",
-            ["model_name", "position"],
+            ["model_name", "engine", "position"],
             registry=self.registry,
         )
         self.requests_ok = Counter(
             "vllm:request_success",
             "requests finished, by reason",
-            ["model_name", "finished_reason"],
+            ["model_name", "engine", "finished_reason"],
             registry=self.registry,
         )
         for reason in FINISHED_REASONS:
-            self.requests_ok.labels(model_name=self.model_name, finished_reason=reason)
+            self.requests_ok.labels(**self.labels, finished_reason=reason)
         # NOTE: laneserve's own (vLLM has no worker restarts): its own prefix
         self.worker_restarts = Counter(
             "laneserve:num_worker_restarts",
             "worker processes restarted after a failure",
-            ["model_name"],
+            ["model_name", "engine"],
             registry=self.registry,
         )
-        self.worker_restarts.labels(model_name=self.model_name)
+        self.worker_restarts.labels(**self.labels)
 
     def _histograms(self) -> None:
         h, lat, req, tok = self._make, _LATENCY_BUCKETS, _REQUEST_BUCKETS, _TOKEN_BUCKETS
@@ -91,16 +110,23 @@ class ServerMetrics:
         self.inference = h(Histogram, "request_inference_time_seconds", "scheduled to finish", req)
         self.req_prompt = h(Histogram, "request_prompt_tokens", "prompt tokens per request", tok)
         self.req_gen = h(Histogram, "request_generation_tokens", "tokens per request", tok)
+        self.req_max_gen = h(
+            Histogram,
+            "request_max_num_generation_tokens",
+            "most tokens generated by one of a request's n samples",
+            tok,
+        )
         self.iteration = h(Histogram, "iteration_tokens_total", "tokens per engine step", tok)
 
     def _make(self, kind, name: str, doc: str, buckets: tuple | None = None):
         kw = {"buckets": buckets} if buckets is not None else {}
-        metric = kind(f"vllm:{name}", doc, ["model_name"], registry=self.registry, **kw)
-        metric.labels(model_name=self.model_name)  # exported from the start, at zero
+        labels = ["model_name", "engine"]
+        metric = kind(f"vllm:{name}", doc, labels, registry=self.registry, **kw)
+        metric.labels(**self.labels)  # exported from the start, at zero
         return metric
 
     def label(self, metric):
-        return metric.labels(model_name=self.model_name)
+        return metric.labels(**self.labels)
 
     # -- updates -------------------------------------------------------------------
     def describe(self, engine) -> None:
@@ -109,7 +135,7 @@ class ServerMetrics:
             return
         ready = engine.core.ready
         self.cache_info.labels(
-            model_name=self.model_name,
+            **self.labels,
             block_size=str(ready.block_size),
             num_gpu_blocks=str(sum(g.num_blocks for g in ready.cache_groups)),
             enable_prefix_caching=str(engine.config.cache.enable_prefix_caching),
@@ -123,6 +149,7 @@ class ServerMetrics:
         self.label(self.running).set(len(s.running))
         self.label(self.waiting).set(len(s.waiting))
         self.label(self.kv_usage).set(kv.usage)
+        self.label(self.gpu_usage).set(kv.usage)
         st = s.stats
         steps = st.num_steps - self._last.get("steps", 0)
         tokens = st.num_scheduled_tokens - self._last.get("scheduled", 0)
@@ -134,7 +161,8 @@ class ServerMetrics:
             (self.prefix_queries, kv.prefix_queries),
             (self.prefix_hits, kv.prefix_hits),
             (self.preemptions, st.num_preemptions),
-            (self.prompt_tokens, st.num_prompt_tokens),
+            (self.prompt_tokens, st.num_request_prompt_tokens),
+            (self.prompt_cached, st.num_cached_prompt_tokens),
             (self.generation_tokens, st.num_generation_tokens),
             (self.spec_num_drafts, st.drafts_per_position[0] if st.drafts_per_position else 0),
             (self.spec_drafts, st.num_drafts),
@@ -143,8 +171,14 @@ class ServerMetrics:
         ):
             self._advance(self.label(metric), metric._name, value)
         for pos, value in enumerate(st.accepted_per_position):
-            child = self.spec_per_pos.labels(model_name=self.model_name, position=str(pos))
+            child = self.spec_per_pos.labels(**self.labels, position=str(pos))
             self._advance(child, f"pos{pos}", value)
+        computed = st.num_request_prompt_tokens - st.num_cached_prompt_tokens
+        for source, value in zip(
+            PROMPT_SOURCES, (computed, st.num_cached_prompt_tokens), strict=True
+        ):
+            child = self.prompt_by_source.labels(**self.labels, source=source)
+            self._advance(child, source, value)
 
     def _advance(self, child, key: str, value: int) -> None:
         delta = value - self._last.get(key, 0)
@@ -171,7 +205,17 @@ class ServerMetrics:
                 gap = (times.finished - times.first_token) / (times.num_output - 1)
                 lab(self.req_tpot).observe(gap)
         reason = times.reason if times.reason in FINISHED_REASONS else "error"
-        self.requests_ok.labels(model_name=self.model_name, finished_reason=reason).inc()
+        self.requests_ok.labels(**self.labels, finished_reason=reason).inc()
+        self._group_done(times)
+
+    def _group_done(self, times: RequestTimes) -> None:
+        """vllm:request_max_num_generation_tokens, once all of a request's n samples end."""
+        left, most = self._groups.pop(times.group, [times.n, 0])
+        left, most = left - 1, max(most, times.num_output)
+        if left > 0:
+            self._groups[times.group] = [left, most]
+        else:
+            self.label(self.req_max_gen).observe(most)
 
     def observe_itl(self, gap: float) -> None:
         self.label(self.itl).observe(gap)
@@ -192,3 +236,5 @@ class RequestTimes:
     num_prompt: int
     num_output: int
     reason: str | None  # stop / length / abort / error
+    group: str = ""  # the request the sample belongs to (its n samples share it)
+    n: int = 1  # samples in that request

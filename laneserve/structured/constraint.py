@@ -16,7 +16,7 @@ class Constraint(Protocol):
     choice: list[str] | None
     grammar: str | None
     json_object: bool | None
-    disable_any_whitespace: bool
+    disable_any_whitespace: bool | None
     whitespace_pattern: str | None
 
     @property

@@ -31,10 +31,8 @@ def grammar_text(p: Constraint) -> str:
     if p.json is not None or p.json_object:
         schema = p.json if p.json is not None else ANY_JSON_OBJECT
         if isinstance(schema, str):
-            _parse_schema(schema)
-            text = schema
-        else:
-            text = json.dumps(schema)
+            schema = _parse_schema(schema)
+        text = json.dumps(bound_integers(schema))
         return _json_grammar(text, json.dumps(_json_options(p), sort_keys=True))
     if p.regex is not None:
         return LLMatcher.grammar_from_regex(p.regex)
@@ -89,6 +87,29 @@ def _json_grammar(schema: str, options: str) -> str:
     return LLMatcher.grammar_from_json_schema(schema, defaults=json.loads(options))
 
 
+# I-JSON's interoperable integer range (RFC 7493): beyond it JSON parsers lose digits
+SAFE_INT = 2**53 - 1
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
+
+
+def bound_integers(node: Any) -> Any:
+    """A copy of the schema whose integers without a bound get I-JSON's range, so
+    that a model cannot write digits until its token budget ends (llguidance
+    compiles a range into a bounded number of digits)."""
+    if isinstance(node, list):
+        return [bound_integers(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYS else bound_integers(v) for k, v in node.items()}
+    kind = node.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        if "minimum" not in node and "exclusiveMinimum" not in node:
+            out["minimum"] = -SAFE_INT
+        if "maximum" not in node and "exclusiveMaximum" not in node:
+            out["maximum"] = SAFE_INT
+    return out
+
+
 def _parse_schema(text: str) -> dict[str, Any]:
     try:
         schema = json.loads(text)
@@ -100,7 +121,13 @@ def _parse_schema(text: str) -> dict[str, Any]:
 
 
 def _json_options(p: Constraint) -> JsonCompileOptions:
-    options: JsonCompileOptions = {"whitespace_flexible": not p.disable_any_whitespace}
+    """Compact by default: OpenAI's separators and no whitespace between tokens, so
+    a model cannot spend its budget on free whitespace. `disable_any_whitespace:
+    false` allows any JSON whitespace, a `whitespace_pattern` that whitespace.
+    (Numbers are bounded only by the schema's `minimum` / `maximum`: llguidance
+    compiles a range into digits; it has no length option for unbounded ones.)"""
     if p.whitespace_pattern is not None:
-        options["whitespace_pattern"] = p.whitespace_pattern
-    return options
+        return {"whitespace_flexible": True, "whitespace_pattern": p.whitespace_pattern}
+    if p.disable_any_whitespace is False:
+        return {"whitespace_flexible": True}
+    return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}

@@ -22,8 +22,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    # JSON only: no whitespace between tokens (vLLM's flag), or its allowed pattern
-    disable_any_whitespace: bool = False
+    # JSON only (grammar.py): None (the default) and True write compact JSON, with
+    # OpenAI's separators ("," and ":") and no whitespace between tokens; False lets
+    # any JSON whitespace in (vLLM's default); a pattern allows that whitespace
+    disable_any_whitespace: bool | None = None
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
@@ -52,6 +54,8 @@ def _check_types(p: StructuredOutputsParams) -> None:
     for name in ("regex", "grammar", "whitespace_pattern"):
         if getattr(p, name) is not None and not isinstance(getattr(p, name), str):
             raise ValueError(f"structured_outputs: {name} must be a string")
+    if p.disable_any_whitespace is not None and not isinstance(p.disable_any_whitespace, bool):
+        raise ValueError("structured_outputs: disable_any_whitespace must be a boolean")
     if p.json is not None and not isinstance(p.json, (str, dict)):
         raise ValueError("structured_outputs: json must be a JSON schema (object or string)")
     if p.choice is not None and not isinstance(p.choice, list):

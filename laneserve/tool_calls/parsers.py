@@ -17,7 +17,8 @@ tool-call section starts (`start`), how many trailing characters might be the
 beginning of its marker and must not be streamed as content yet (`hold`), and
 which calls the section holds (`calls`; `final` also accepts a last call the
 model did not close). `laneserve.tool_calls.stream` builds streaming and whole
-extraction on these three.
+extraction on these three. `registry.py` maps the flag's names to the parsers
+(these and parsers_more.py's).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`--tool-call-parser` names (vLLM's) -> parser classes."""
+"""`--tool-call-parser` names (vLLM's) -> parser classes (parsers.py, parsers_more.py,
+dsml_parser.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from laneserve.tool_calls.parsers import (
     Llama3JsonParser,
     ToolParser,
 )
+from laneserve.tool_calls.parsers_more import MistralParser, PythonicParser
 
 PARSERS: dict[str, type] = {
     p.name: p
@@ -20,6 +22,8 @@ PARSERS: dict[str, type] = {
         DeepSeekV31Parser,
         DeepSeekV32DsmlParser,
         DeepSeekV4DsmlParser,
+        MistralParser,
+        PythonicParser,
     )
 }
 

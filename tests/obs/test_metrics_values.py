@@ -18,6 +18,7 @@ from laneserve.sampling_params import SamplingParams
 from tests.tiny_models import build_bigram_model, build_exact_mtp_head
 
 NAME = "tiny"
+LABELS = {"model_name": NAME, "engine": "0"}
 
 
 class Probe:
@@ -43,7 +44,7 @@ class Probe:
         self.metrics.refresh(self.engine)
 
     def value(self, name: str, **labels: str) -> float:
-        v = self.metrics.registry.get_sample_value(f"vllm:{name}", {"model_name": NAME, **labels})
+        v = self.metrics.registry.get_sample_value(f"vllm:{name}", {**LABELS, **labels})
         return 0.0 if v is None else v
 
     def gauges(self) -> tuple[float, float, float]:
@@ -115,7 +116,7 @@ def test_gauges_counters_and_latency_counts(tiny_models: dict[str, Path]) -> Non
     assert probe.value("iteration_tokens_total_sum") == stats["num_scheduled_tokens"]
     assert probe.metrics.registry.get_sample_value(
         "vllm:cache_config_info",
-        {"model_name": NAME, "block_size": "4", "num_gpu_blocks": "64",
+        {**LABELS, "block_size": "4", "num_gpu_blocks": "64",
          "enable_prefix_caching": "False"},
     ) == 1  # fmt: skip
     assert probe.value("e2e_request_latency_seconds_bucket", le="+Inf") == 4
@@ -134,9 +135,10 @@ def test_preemption_counter_and_recomputed_prompt_tokens(tiny_models: dict[str, 
     stats = probe.engine.stats()
     preemptions = probe.value("num_preemptions_total")
     assert preemptions >= 1 and preemptions == stats["num_preemptions"]
-    # a preempted request's prompt and outputs are prefilled again
-    assert probe.value("prompt_tokens_total") > sum(len(p) for p in ps)
-    assert probe.value("prompt_tokens_total") == stats["num_prompt_tokens"]
+    # a preempted request's prompt and outputs are prefilled again (the engine's
+    # stats), but vLLM's prompt_tokens_total counts each request's prompt once
+    assert stats["num_prompt_tokens"] > sum(len(p) for p in ps)
+    assert probe.value("prompt_tokens_total") == sum(len(p) for p in ps)
     assert probe.value("generation_tokens_total") == 24
     assert probe.value("request_success_total", finished_reason="length") == 2
     assert probe.gauges() == (0, 0, 0)
@@ -211,8 +213,8 @@ VLLM_SERIES = [
 def test_every_series_is_exported_at_zero_before_any_request() -> None:
     m = ServerMetrics(NAME)
     for name in VLLM_SERIES:
-        assert m.registry.get_sample_value(name, {"model_name": NAME}) == 0, name
+        assert m.registry.get_sample_value(name, LABELS) == 0, name
     for reason in ("stop", "length", "abort", "error"):
-        labels = {"model_name": NAME, "finished_reason": reason}
+        labels = {**LABELS, "finished_reason": reason}
         assert m.registry.get_sample_value("vllm:request_success_total", labels) == 0
     assert b"laneserve:" not in m.render().replace(b"laneserve:num_worker_restarts", b"")

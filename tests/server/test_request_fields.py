@@ -42,7 +42,7 @@ def _rejected(r: httpx.Response, field: str) -> None:
         (CMPL, {"best_of": 3}, "best_of"),
         (CMPL, {"best_of": 0}, "best_of"),
         (CMPL, {"suffix": "tail"}, "suffix"),
-        (CMPL, {"prompt_logprobs": 1}, "prompt_logprobs"),
+        (CMPL, {"prompt_logprobs": "1"}, "prompt_logprobs"),  # a number, as vLLM
         (CMPL, {"temprature": 0}, "temprature"),  # a typo is not a setting
         (CHAT, {"tools": [TOOL]}, "tool_choice"),  # "auto" needs a parser on the server
         (CHAT, {"tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
