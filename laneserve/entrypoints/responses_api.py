@@ -33,8 +33,6 @@ from laneserve.entrypoints.responses_protocol import ResponsesRequest
 from laneserve.entrypoints.responses_run import Run
 from laneserve.entrypoints.streams import SSEResponse, client_left, close_all, merged
 from laneserve.frontend.output_processor import Delta
-from laneserve.tool_calls.choice import ToolPlan
-
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
-from laneserve.frontend.interrupts import abort_and_drain, whole_step
 from laneserve.frontend.engine_view import EngineView
+from laneserve.frontend.interrupts import abort_and_drain, whole_step
 from laneserve.frontend.output_processor import RequestState, completion_output, request_metrics
 from laneserve.log_setup import show_progress_logs
 from laneserve.model_path import ModelPathError, check_model_path
