@@ -144,4 +144,4 @@ def plan(
         return ToolPlan("required")
     if parser is None:
         raise ValueError(AUTO_NEEDS)
-    return ToolPlan("auto", get_parser(parser), max_calls=None if parallel else 1)
+    return ToolPlan("auto", get_parser(parser, tools), max_calls=None if parallel else 1)

@@ -1,10 +1,12 @@
-"""Two more tool-call formats (`--tool-call-parser`), as vLLM's parsers read them:
+"""Three more tool-call formats (`--tool-call-parser`), as vLLM's parsers read them:
 
 ```
  mistral   [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]        Mistral 7B v0.3 style
            [TOOL_CALLS]NAME[ARGS]{...}[TOOL_CALLS]NAME[ARGS]{...}     tokenizer v11+ (Small 3.1+)
  pythonic  [get_weather(city="Paris", days=2), other(flag=True)]       Llama 3.2 / 4 style
            (optionally inside <|python_start|> ... <|python_end|>)
+ qwen3_coder <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
+           </function></tool_call>   (values typed by the tool's schema)   Qwen3-Coder
 ```
 Same three answers as the parsers in parsers.py: `start`, `hold`, `calls`.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 
 from laneserve.tool_calls.parsers import MarkedParser, ToolCall, _call_from_json
 
@@ -116,3 +119,61 @@ def _call(node: ast.expr) -> ToolCall | None:
     except (ValueError, TypeError, SyntaxError):
         return None
     return ToolCall(node.func.id, json.dumps(args, ensure_ascii=False))
+
+
+class Qwen3CoderParser(MarkedParser):
+    """<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>
+    (Qwen3-Coder). Values are plain text, typed by the tool's parameter schema:
+    strings stay text, integers / numbers / booleans / null are read as such, objects
+    and arrays as JSON (or Python literals); a key without a schema type is read
+    as JSON where it parses, else kept as text."""
+
+    name = "qwen3_coder"
+    marker = "<tool_call>"
+    _function = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+    _param = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        self.schemas = {
+            t.get("name"): (t.get("parameters") or {}).get("properties") or {}
+            for t in tools or []
+            if isinstance(t, dict)
+        }
+
+    def calls(self, section: str, final: bool) -> list[ToolCall]:
+        out = []
+        for m in self._function.finditer(section):
+            name = m.group(1).strip()
+            props = self.schemas.get(name, {})
+            args = {
+                k.strip(): _typed(v, props.get(k.strip())) for k, v in self._param.findall(m[2])
+            }
+            out.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        return out
+
+
+def _typed(value: str, schema: object) -> object:
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if value.strip() == "null" and kind != "string":
+        return None
+    if kind == "string":
+        return value
+    text = value.strip()
+    if kind == "boolean" and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if kind in ("integer", "number"):
+        try:
+            number = float(text)
+        except ValueError:
+            return value
+        return int(number) if kind == "integer" and number.is_integer() else number
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    if kind in ("object", "array"):
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            pass
+    return value

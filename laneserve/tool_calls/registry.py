@@ -11,7 +11,7 @@ from laneserve.tool_calls.parsers import (
     Llama3JsonParser,
     ToolParser,
 )
-from laneserve.tool_calls.parsers_more import MistralParser, PythonicParser
+from laneserve.tool_calls.parsers_more import MistralParser, PythonicParser, Qwen3CoderParser
 
 PARSERS: dict[str, type] = {
     p.name: p
@@ -24,13 +24,18 @@ PARSERS: dict[str, type] = {
         DeepSeekV4DsmlParser,
         MistralParser,
         PythonicParser,
+        Qwen3CoderParser,
     )
 }
+# parsers that type the values they read by the tools' parameter schemas
+_WITH_TOOLS = (Qwen3CoderParser,)
 
 
-def get_parser(name: str) -> ToolParser:
+def get_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
+    """`tools`: the request's functions ({"name", "parameters"}), for the parsers that
+    need their schemas."""
     cls = PARSERS.get(name)
     if cls is None:
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of {sorted(PARSERS)}")
-    parser: ToolParser = cls()
+    parser: ToolParser = cls(tools) if cls in _WITH_TOOLS else cls()
     return parser
