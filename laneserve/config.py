@@ -245,15 +245,22 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     lane_times: bool = False  # each StepResult carries its lanes' spans (the dashboard)
 
 
+class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    tensor_parallel_size: int = 1  # ranks per model (docs/distributed.md)
+    distributed_executor_backend: str = "mp"  # rank processes spawned by the worker
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig | None = None
     worker: WorkerConfig = WorkerConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     def validate(self) -> None:
         m, c, s = self.model, self.cache, self.scheduler
+        self._validate_parallel()
         if m.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {m.dtype!r}")
         if m.gguf_weights not in GGUF_WEIGHTS:
@@ -280,3 +287,20 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f'worker mode must be "thread" or "process", got {self.worker.mode!r}')
         if self.speculative is not None:
             self.speculative.validate()
+
+    def _validate_parallel(self) -> None:
+        p = self.parallel
+        if p.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {p.tensor_parallel_size}")
+        if p.distributed_executor_backend != "mp":
+            raise ValueError(
+                f"distributed_executor_backend must be 'mp', got {p.distributed_executor_backend!r}"
+            )
+        if p.tensor_parallel_size > 1 and self.worker.mode != "process":
+            raise ValueError(
+                "tensor_parallel_size > 1 runs in worker processes (worker mode 'process')"
+            )
+        if p.tensor_parallel_size > 1 and self.speculative is not None:
+            raise ValueError(
+                "speculative decoding with tensor_parallel_size > 1 is not supported yet"
+            )

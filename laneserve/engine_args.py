@@ -25,6 +25,7 @@ from laneserve.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     WorkerConfig,
@@ -174,7 +175,12 @@ class EngineArgs:
     trust_remote_code: bool = _arg(
         False, "accepted for vLLM compatibility; no remote code ever runs here"
     )
-    tensor_parallel_size: int = _arg(1, "devices per model; only 1 is supported")
+    tensor_parallel_size: int = _arg(
+        1, "ranks (devices) per model: tensor parallelism, Llama family (docs/distributed.md)"
+    )
+    distributed_executor_backend: str = _arg(
+        "mp", "how the ranks start: 'mp' (processes spawned by the worker)", choices=("mp",)
+    )
     # vLLM's flags with a narrower meaning here (engine_compat.py)
     kv_cache_dtype: str = _arg("auto", "KV cache dtype; only auto (the model's dtype)")
     quantization: str | None = _arg(
@@ -204,11 +210,6 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_logprobs=self.max_logprobs,
         )
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} is not supported: "
-                "laneserve runs a model on one device (use 1)"
-            )
         if self.trust_remote_code:
             log.info("trust_remote_code: accepted; laneserve never runs a model's remote code")
         if self.gpu_memory_utilization is not None:
@@ -257,6 +258,10 @@ class EngineArgs:
                 max_queued_requests=self.max_queued_requests,
             ),
             speculative=SpeculativeConfig.parse(self.speculative_config),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
             worker=WorkerConfig(
                 mode=self.worker_mode or default_worker_mode(),
                 restart_on_failure=self.restart_worker,

@@ -49,6 +49,13 @@ def worker_main(conn_in: Connection, conn: Connection, log_level: int) -> None:
 
     config = msgspec.msgpack.decode(conn_in.recv_bytes(), type=EngineConfig)
     lock = threading.Lock()
+    group = None
+    if config.parallel.tensor_parallel_size > 1:  # this process is rank 0
+        from laneserve.model.loader import resolve_device
+        from laneserve.worker.ranks import rank_device, start_leader
+
+        device = rank_device(resolve_device(config.model.device), 0)
+        group = start_leader(config, device, follower_main)
 
     def emit(result: StepResult) -> None:
         data = protocol.encode(result)
@@ -56,7 +63,7 @@ def worker_main(conn_in: Connection, conn: Connection, log_level: int) -> None:
             conn.send_bytes(data)
 
     try:  # the worker is built on the device lane (see Lanes)
-        lanes = Lanes(lambda: Worker(config), emit)
+        lanes = Lanes(lambda: Worker(config, group), emit)
     except Exception as e:
         failed = WorkerFailed(str(e), bad_input=isinstance(e, ValueError))
         conn.send_bytes(protocol.encode(failed))
@@ -75,6 +82,37 @@ def worker_main(conn_in: Connection, conn: Connection, log_level: int) -> None:
             lanes.submit(data)
     finally:
         lanes.close()
+        worker.shutdown()
+
+
+def follower_main(
+    data: bytes, rank: int, addr: str, port: int, pipe: Connection, log_level: int
+) -> None:
+    """Ranks 1..N-1 of a tensor-parallel worker: the same worker, fed every step command
+    that rank 0 gets (worker/ranks.py); their results are dropped (rank 0 answers)."""
+    logging.basicConfig(
+        level=log_level,
+        format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    from laneserve.model.loader import resolve_device
+    from laneserve.worker.ranks import RankGroup, join_group, rank_device
+    from laneserve.worker.worker import Worker
+
+    config = msgspec.msgpack.decode(data, type=EngineConfig)
+    device = rank_device(resolve_device(config.model.device), rank)
+    size = config.parallel.tensor_parallel_size
+    worker = Worker(config, RankGroup(join_group(rank, size, addr, port, device)))
+    try:
+        while True:
+            try:
+                cmd = pipe.recv_bytes()
+            except (EOFError, OSError):
+                break  # rank 0 is gone
+            if not cmd:
+                break
+            worker.run_step(cmd)
+    finally:
         worker.shutdown()
 
 

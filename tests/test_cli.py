@@ -198,7 +198,8 @@ def test_vllm_style_serve_command_line_parses() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 is not supported"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
+        ({"tensor_parallel_size": 2, "worker_mode": "thread"}, "worker mode .process."),
         ({"gpu_memory_utilization": 0.9, "device": "cpu"}, "CUDA devices only.*--kv-cache-memory"),
     ],
 )

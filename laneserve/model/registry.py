@@ -26,8 +26,8 @@ from laneserve.model.llama import model as llama
 from laneserve.model.llama.mtp import load_mtp_head
 from laneserve.model.loader import Checkpoint, WeightStore
 
-# (arch, block_size, dtype_bytes, mtp_layers) -> groups; the target's group comes first
-CacheGroupsFn = Callable[[ArchConfig, int, int, int], list[CacheGroupSpec]]
+# (arch, block_size, dtype_bytes, mtp_layers[, tp_size]) -> groups; the target's group first
+CacheGroupsFn = Callable[..., list[CacheGroupSpec]]
 # (store, model, kernels, draft_weights, known_name, quantization) -> MTP head
 MtpLoader = Callable[[Any, Any, Kernels, str | None, str | None, str | None], Any]
 
@@ -42,6 +42,9 @@ class ModelFamily:
     load_mtp: MtpLoader
     # token-tree side rows need a K/V cache the side-row scratch logic can copy
     supports_side_rows: bool = True
+    # what tensor parallelism splits (name -> size; each must divide by the TP size);
+    # None: the family has no tensor-parallel model yet
+    parallel_sizes: Callable[[ArchConfig], dict[str, int]] | None = None
 
 
 def _llama_mtp(
@@ -85,6 +88,7 @@ FAMILIES = (
         llama.cache_groups,
         llama.weight_shapes,
         _llama_mtp,
+        parallel_sizes=llama.parallel_sizes,
     ),
     ModelFamily(
         "deepseek",

@@ -26,6 +26,7 @@ import torch
 from laneserve import protocol
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import read_lookahead
+from laneserve.distributed.parallel_state import SINGLE
 from laneserve.kernels import get_kernels
 from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.interface import PAGED, TOKEN_TABLES, CausalLM, DraftHead
@@ -55,6 +56,7 @@ from laneserve.worker.failures import (
 from laneserve.worker.input_batch import InputSlot, RequestTable
 from laneserve.worker.kv_cache import KvCache, StepBounds, num_blocks_for
 from laneserve.worker.model_runner import ModelRunner
+from laneserve.worker.ranks import RankGroup, check_supported, rank_device
 from laneserve.worker.step_inputs import InputLayout, StepInputs, build_inputs
 from laneserve.worker.step_outputs import DeviceOutputs
 
@@ -71,14 +73,18 @@ class PendingStep:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    group: RankGroup | None = None  # tensor parallel: this rank's group (worker/ranks.py)
+
+    def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
         start = time.perf_counter()
         self.config = config
         self.tracer = Tracer(config.worker.profile_dir, role="worker")
         self.lane_clock = LaneClock(config.worker.lane_times)
         if config.worker.num_threads:
             torch.set_num_threads(config.worker.num_threads)
-        self.device = resolve_device(config.model.device)
+        self.group = group
+        self.tp = group.tp if group is not None else SINGLE
+        self.device = rank_device(resolve_device(config.model.device), self.tp.rank)
         self.ckpt: Checkpoint = resolve_checkpoint(
             config.model.model, config.model.dtype, self.device, config.model.gguf_weights
         )
@@ -95,6 +101,8 @@ class Worker:
         self.side_width = spec.num_candidates - 1 if spec else 0  # token tree alternatives
         store = open_weights(self.ckpt, self.device, self.act_dtype)
         self.family = family_for(arch)
+        if self.tp.size > 1:
+            check_supported(self.family, arch, self.tp.size, store.quantized is not None)
         self.model, self.mtp = self._load_model(store)
         self.block_size = config.cache.block_size
         self.groups = self._cache_groups()
@@ -126,6 +134,7 @@ class Worker:
             self.device,
             self.act_dtype,
             self.max_positions,
+            **({"tp": self.tp} if self.tp.size > 1 else {}),
         )
         if spec is None or spec.method != "mtp":
             return model, None
@@ -153,8 +162,8 @@ class Worker:
 
     def _decode_graphs(self) -> DecodeGraphs | TokenTableDecodeGraphs | None:
         """CUDA graphs of decode steps (on CUDA, unless enforce_eager)."""
-        if self.device.type != "cuda" or self.config.model.enforce_eager:
-            return None
+        if self.device.type != "cuda" or self.config.model.enforce_eager or self.tp.size > 1:
+            return None  # NOTE: no collectives inside a graph yet
         return self.decode_graphs()
 
     def decode_graphs(self, capture: bool = True) -> DecodeGraphs | TokenTableDecodeGraphs | None:
@@ -219,6 +228,10 @@ class Worker:
         """The family's cache groups: its layers, plus the MTP layer's own cache."""
         size = dtype_bytes(self.ckpt.weight_dtype)
         mtp_layers = 1 if self.mtp is not None else 0
+        if self.tp.size > 1:  # a rank caches its share of the kv heads
+            return self.family.cache_groups(
+                self.ckpt.arch, self.block_size, size, mtp_layers, self.tp.size
+            )
         return self.family.cache_groups(self.ckpt.arch, self.block_size, size, mtp_layers)
 
     def _proposer(self) -> NgramProposer | MtpProposer | None:
@@ -254,9 +267,12 @@ class Worker:
             sched.max_num_seqs,
             self.max_model_len + self.max_spec + 1,
         )
-        return num_blocks_for(
+        blocks = num_blocks_for(
             self.groups, budget, cache.num_kv_blocks, self.block_size, self.max_model_len, bounds
         )
+        if self.group is not None:  # the smallest budget over the ranks
+            blocks = self.group.min_over_ranks(blocks, self.device)
+        return blocks
 
     def _allocate_cache(self) -> KvCache:
         if self.side_width and not self.family.supports_side_rows:
@@ -298,6 +314,8 @@ class Worker:
     def command(self, item: StepCommand | bytes) -> PendingStep | StepFailure:
         """Decode the command and register its new requests."""
         try:
+            if self.group is not None and self.group.leader:  # the same command to every rank
+                self.group.send(item if isinstance(item, bytes) else protocol.encode(item))
             cmd = item if isinstance(item, StepCommand) else protocol.decode_command(item)
         except Exception as e:
             assert isinstance(item, bytes), "only an encoded command fails to decode"
@@ -445,6 +463,8 @@ class Worker:
 
     def shutdown(self) -> None:
         self.tracer.flush()
+        if self.group is not None:
+            self.group.close()
 
     def run_step(self, item: StepCommand | bytes) -> StepResult:
         """All four stages in this thread (the synchronous path)."""

@@ -1,0 +1,170 @@
+"""The rank processes of a tensor-parallel worker (docs/distributed.md).
+
+The worker process is rank 0. With `tensor_parallel_size` N > 1 it spawns ranks
+1..N-1 (`ipc.follower_main`) (multiprocessing `spawn`, like vLLM's mp executor), and all N join one
+torch.distributed group (gloo on CPU, NCCL on CUDA) over 127.0.0.1, or over
+`MASTER_ADDR` / `MASTER_PORT` where the environment sets them (torchrun's names).
+
+```
+ engine --cmd--> rank 0 --pipe--> rank 1 .. N-1     the step command, once per rank
+         <-res--  rank 0                            results: rank 0 only
+         all ranks: the same stages on the same commands; collectives inside the forward
+```
+Every rank registers the same requests, builds the same inputs and samples the same
+tokens from the same (all-gathered) logits with the same generators, so their state
+never diverges and nothing but the command crosses between steps. A follower that
+dies takes rank 0 down with it (`os._exit`: the engine sees a worker death and
+restarts every rank); rank 0's death closes the pipes and the group, and the
+followers exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from laneserve.config import EngineConfig
+from laneserve.distributed.parallel_state import TensorParallel
+from laneserve.model.arch import ArchConfig
+from laneserve.model.registry import ModelFamily
+
+log = logging.getLogger(__name__)
+
+_COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a step's slowest collective, not idle time
+
+
+@dataclass
+class RankGroup:
+    """This rank's group: its `TensorParallel` view and, on rank 0, the followers."""
+
+    tp: TensorParallel
+    pipes: list[Connection] = field(default_factory=list)  # rank 0: one per follower
+    followers: Sequence[BaseProcess] = field(default_factory=list)
+    stopping: bool = False
+
+    @property
+    def leader(self) -> bool:
+        return self.tp.rank == 0
+
+    def send(self, data: bytes) -> None:
+        """Rank 0: the step command (encoded) to every follower; b"" stops them."""
+        for pipe in self.pipes:
+            pipe.send_bytes(data)
+
+    def min_over_ranks(self, values: list[int], device: torch.device) -> list[int]:
+        """The element-wise minimum over the ranks (e.g. KV blocks: the smallest budget)."""
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.group)
+        return [int(v) for v in t.tolist()]
+
+    def close(self) -> None:
+        self.stopping = True
+        if self.leader:
+            for pipe in self.pipes:
+                with contextlib.suppress(OSError):
+                    pipe.send_bytes(b"")
+            for p in self.followers:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_supported(family: ModelFamily, arch: ArchConfig, size: int, gguf: bool) -> None:
+    """ValueError, before anything loads, for what tensor parallelism does not cover."""
+    if family.parallel_sizes is None:
+        raise ValueError(
+            f"tensor_parallel_size {size}: the {family.name} family has no tensor-parallel "
+            "model yet (supported: the llama family)"
+        )
+    if gguf:
+        raise ValueError(f"tensor_parallel_size {size}: GGUF-quantized weights cannot be sharded")
+    for what, n in family.parallel_sizes(arch).items():
+        TensorParallel(0, size).split(n, what)
+
+
+def rendezvous() -> tuple[str, int]:
+    """torchrun's MASTER_ADDR / MASTER_PORT if set, else 127.0.0.1 and a free port."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("MASTER_PORT")
+    if port is not None:
+        return addr, int(port)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return addr, int(s.getsockname()[1])
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """A CUDA rank's own device (cuda:rank); CPU ranks share the host."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def join_group(rank: int, size: int, addr: str, port: int, device: torch.device) -> TensorParallel:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=_COLLECTIVE_TIMEOUT,
+    )
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+FollowerMain = Callable[[bytes, int, str, int, Connection, int], None]
+
+
+def start_leader(config: EngineConfig, device: torch.device, target: FollowerMain) -> RankGroup:
+    """Rank 0: spawn the followers (`target(config bytes, rank, addr, port, pipe, log
+    level)`, a module-level function: spawn pickles it by name), join the group, watch
+    the followers."""
+    size = config.parallel.tensor_parallel_size
+    addr, port = rendezvous()
+    ctx = mp.get_context("spawn")
+    data = msgspec.msgpack.encode(config)
+    level = logging.getLogger("laneserve").getEffectiveLevel()
+    pipes, followers = [], []
+    for rank in range(1, size):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=target,
+            args=(data, rank, addr, port, recv, level),
+            name=f"laneserve-rank{rank}",
+            daemon=True,
+        )
+        p.start()
+        recv.close()
+        pipes.append(send)
+        followers.append(p)
+    group = RankGroup(join_group(0, size, addr, port, device), pipes, followers)
+    threading.Thread(target=_watch, args=(group,), name="rank-watch", daemon=True).start()
+    log.info("tensor parallel: %d ranks joined over %s:%d", size, addr, port)
+    return group
+
+
+def _watch(group: RankGroup) -> None:
+    """Any follower's death is the worker's death: end rank 0 so that the engine restarts
+    every rank (its requests get an error, /health reports it)."""
+    wait([p.sentinel for p in group.followers])
+    if group.stopping:
+        return
+    dead = [p.name for p in group.followers if not p.is_alive()]
+    log.error("tensor-parallel rank(s) %s died: ending the worker", ", ".join(dead))
+    logging.shutdown()
+    os._exit(1)
