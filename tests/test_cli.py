@@ -234,7 +234,7 @@ def test_serve_auto_tool_choice_needs_a_parser(capsys: pytest.CaptureFixture) ->
     ns = build_parser().parse_args(["serve", "--enable-auto-tool-choice"])
     assert run(ns) == 2 and "needs --tool-call-parser" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+        build_parser().parse_args(["serve", "--tool-call-parser", "granite"])
 
 
 def test_worker_mode_default_is_the_process_unless_the_environment_says(

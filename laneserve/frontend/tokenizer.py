@@ -85,7 +85,6 @@ class Tokenizer:
         reserved = _RESERVED & set(chat_template_kwargs or {})
         if reserved:
             raise TemplateKwargError(f"chat_template_kwargs may not set {sorted(reserved)}")
-        _check_kwargs(template or _hf_template(self.hf), chat_template_kwargs or {})
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other")
         if not template and self.chat_format is not None:
@@ -97,23 +96,24 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
             )
-            return self.encode(text, add_special_tokens=False)  # the format writes the BOS
-        text = _text(
-            _render(
-                self.hf,
-                messages,
-                template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tools=tools,
-                **(chat_template_kwargs or {}),
+        else:  # NOTE: a format in code checks its own kwargs (chat_formats/)
+            _check_kwargs(template or _hf_template(self.hf), chat_template_kwargs or {})
+            text = _text(
+                _render(
+                    self.hf,
+                    messages,
+                    template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tools=tools,
+                    **(chat_template_kwargs or {}),
+                )
             )
-        )
         if max_chars is not None and len(text) > max_chars:
             raise ValueError(
                 f"the chat template rendered {len(text)} characters; the limit is {max_chars}"
             )
-        # NOTE: the template already writes any BOS it wants.
+        # NOTE: the template (or format) already writes any BOS it wants.
         return self.encode(text, add_special_tokens=False)
 
 

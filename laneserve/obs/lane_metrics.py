@@ -12,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 
 from laneserve.obs.live_feed import timeline
+from laneserve.obs.metrics import ENGINE
 from laneserve.protocol import LaneTimes
 
 _STEP_BUCKETS = (
@@ -31,7 +32,7 @@ class LaneMetrics:
             lane: Histogram(
                 f"laneserve:lane_{lane}_seconds",
                 doc,
-                ["model_name"],
+                ["model_name", "engine"],
                 registry=registry,
                 buckets=_STEP_BUCKETS,
             )
@@ -40,12 +41,12 @@ class LaneMetrics:
         self.host_gap = Histogram(
             "laneserve:step_host_gap_seconds",
             "seconds the device lane waited between the previous step and this one",
-            ["model_name"],
+            ["model_name", "engine"],
             registry=registry,
             buckets=_STEP_BUCKETS,
         )
         for metric in (*self.lanes.values(), self.host_gap):
-            metric.labels(model_name=model_name)  # exported from the start, at zero
+            metric.labels(model_name=model_name, engine=ENGINE)  # exported from the start, at zero
         self._last_step = -1
 
     def observe(self, entries: list[tuple[int, LaneTimes]]) -> None:
@@ -57,6 +58,10 @@ class LaneMetrics:
         for row in timeline(fresh):
             for lane, metric in self.lanes.items():
                 start, end = row[lane]
-                metric.labels(model_name=self.model_name).observe((end - start) / 1e6)
+                metric.labels(model_name=self.model_name, engine=ENGINE).observe(
+                    (end - start) / 1e6
+                )
             if row["gap_us"] is not None:
-                self.host_gap.labels(model_name=self.model_name).observe(row["gap_us"] / 1e6)
+                self.host_gap.labels(model_name=self.model_name, engine=ENGINE).observe(
+                    row["gap_us"] / 1e6
+                )

@@ -62,5 +62,3 @@ def _check_types(p: StructuredOutputsParams) -> None:
         raise ValueError("structured_outputs: choice must be a list of strings")
     if p.json_object is not None and not isinstance(p.json_object, bool):
         raise ValueError("structured_outputs: json_object must be a boolean")
-    if not isinstance(p.disable_any_whitespace, bool):
-        raise ValueError("structured_outputs: disable_any_whitespace must be a boolean")

@@ -47,7 +47,7 @@ def test_derive_rates_and_window() -> None:
     m.label(m.spec_num_drafts).inc(10)
     m.label(m.spec_accepted).inc(12)
     for pos, n in enumerate((8, 4)):
-        m.spec_per_pos.labels(model_name="m", position=str(pos)).inc(n)
+        m.spec_per_pos.labels(model_name="m", engine="0", position=str(pos)).inc(n)
     new = read_registry(m.registry, 120.0)
     p = derive(new, base, base)
     assert p["prompt_tps"] == pytest.approx(50.0) and p["gen_tps"] == pytest.approx(10.0)

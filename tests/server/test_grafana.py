@@ -19,12 +19,6 @@ OURS = ROOT / "examples" / "grafana" / "laneserve.json"
 VLLM = Path(__file__).parent / "data" / "vllm_grafana_metrics.txt"
 _NAME = re.compile(r"\b(?:vllm|laneserve):[A-Za-z0-9_:]+")
 # NOTE: series another change adds to laneserve/obs/metrics.py; flip these once it lands
-PENDING = (
-    "vllm:prompt_tokens_cached",
-    "vllm:request_max_num_generation_tokens",
-    "vllm:gpu_cache_usage_perc",
-)
-PENDING_REASON = "vLLM series being added to laneserve/obs/metrics.py by a parallel change"
 # one child per draft position: none without a speculative config (this server has none),
 # so the family's declaration is what exists; the browser test sees its values with MTP
 PER_POSITION = {"vllm:spec_decode_num_accepted_tokens_per_pos_total"}
@@ -38,15 +32,9 @@ def _our_names() -> list[str]:
     return sorted({n for e in _exprs(json.loads(OURS.read_text())) for n in _NAME.findall(e)})
 
 
-def _vllm_names() -> list:
-    names = [
-        ln.strip() for ln in VLLM.read_text().splitlines() if ln.strip() and not ln.startswith("#")
-    ]
+def _vllm_names() -> list[str]:
     return [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=PENDING_REASON))
-        if n.startswith(PENDING)
-        else n
-        for n in names
+        ln.strip() for ln in VLLM.read_text().splitlines() if ln.strip() and not ln.startswith("#")
     ]
 
 
