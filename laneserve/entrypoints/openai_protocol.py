@@ -61,6 +61,14 @@ class StructuredOutputsField(BaseModel):
     disable_any_whitespace: StrictBool | None = None
     whitespace_pattern: Text | None = None
 
+    @field_validator("json_object", "disable_any_whitespace", mode="before")
+    @classmethod
+    def _not_null(cls, v: Any) -> Any:
+        # NOTE: left out means the default; an explicit null is a mistyped value
+        if v is None:
+            raise ValueError("must be a boolean, not null")
+        return v
+
     def fields(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_unset=True)
 
