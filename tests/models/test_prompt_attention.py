@@ -120,8 +120,10 @@ def test_long_chunks_after_context_on_a_bf16_cache_take_the_causal_kernel(
     cache = _cache(n, torch.bfloat16)
     parts = [_prefill(ck, q, k, v, cache, s, s, m) for s, m in ((0, 40), (40, 35), (75, 15))]
     assert calls == [n, 40, 35] and paged == [15]  # chunks of 30 or less stay paged
-    # a blocked query's bits depend on its position and keys only: the same as in one chunk
-    assert torch.equal(torch.cat(parts[:2]), whole[:75])
+    if ck.bf16_dot:  # a blocked query's bits depend on its position and keys only
+        assert torch.equal(torch.cat(parts[:2]), whole[:75])
+    else:  # no avx512_bf16: torch's SDPA, whose sums depend on the chunk's shape
+        torch.testing.assert_close(torch.cat(parts[:2]), whole[:75], rtol=0, atol=2e-2)
     torch.testing.assert_close(parts[2], whole[75:], rtol=0, atol=2e-2)  # paged: fp32 sums
 
 
