@@ -31,5 +31,9 @@ class NoTokenizer:
         """A logprob entry's token, named by its id (vLLM's `token_id:N` form)."""
         return f"token_id:{token_id}"
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """No vocabulary, so no real bytes: those of the `token_id:N` name."""
+        return self.token_text(token_id).encode()
+
     def apply_chat_template(self, messages: list[dict], *args: object, **kw: object) -> list[int]:
         raise ValueError(f"{WHY}: chat needs one; send token ids to the completions API")

@@ -204,7 +204,7 @@ def _value(name: str, shape: tuple[int, ...], kind: str, gen: torch.Generator) -
 
 def _store(name: str, w: torch.Tensor, kind: str) -> tuple[dict, torch.Tensor]:
     """(released tensors, the exact fp32 values they hold)."""
-    from laneserve.model import fp8
+    from laneserve.model.layers import fp8
 
     if kind in ("fp8", "fp4"):
         q, s = fp8.quantize_ue8m0(w, kind == "fp4")

@@ -105,7 +105,7 @@ def shipped_head_path(model_name: str) -> Path | None:
     name = SHIPPED_HEADS.get(model_name)
     if name is None:
         return None
-    path = Path(__file__).resolve().parent.parent / "assets" / name
+    path = Path(__file__).resolve().parents[2] / "assets" / name
     return path if path.is_file() else None
 
 
