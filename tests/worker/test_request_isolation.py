@@ -5,7 +5,6 @@ of the next (pipelined) step get exactly transformers' greedy tokens."""
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,9 +17,9 @@ from laneserve.protocol import NewRequest, ScheduledRequest, StepCommand, StepRe
 from laneserve.sampling_params import SamplingParams
 from laneserve.structured import limits, matchers
 from laneserve.structured.params import StructuredOutputsParams
-from laneserve.worker.lanes import Lanes
 from laneserve.worker.worker import Worker
 from tests.tiny_models import hf_greedy
+from tests.worker.test_worker_failures import run_lanes, run_sync
 
 PROMPTS = {1: [5, 6, 7, 8], 2: [9, 10, 11], 3: [12, 13, 14], 4: [15, 16, 17, 18], 5: [19, 20]}
 
@@ -46,23 +45,6 @@ def mistyped(cmd: StepCommand, handle: int) -> bytes:
         if entry[0] == handle:
             entry[3]["structured_outputs"]["json_object"] = "x"
     return msgspec.msgpack.encode(raw)
-
-
-def run_sync(worker: Worker, items: list) -> Iterator[StepResult]:
-    for item in items:
-        yield worker.run_step(item)
-
-
-def run_lanes(worker: Worker, items: list) -> Iterator[StepResult]:
-    results: queue.SimpleQueue = queue.SimpleQueue()
-    lanes = Lanes(lambda: worker, results.put)
-    try:
-        for item in items:  # all at once: step 1 is prepared while step 0 runs
-            lanes.submit(item)
-        for _ in items:
-            yield results.get(timeout=120)
-    finally:
-        lanes.close()
 
 
 @pytest.mark.parametrize("run", [run_sync, run_lanes], ids=["run_step", "lanes"])
