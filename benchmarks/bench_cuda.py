@@ -10,6 +10,7 @@ token; `--hbm-gbps`, default from the device name).
     python benchmarks/bench_cuda.py                           # all shapes, batch 1 / 8 / 32
     python benchmarks/bench_cuda.py --shapes 1.7b --batches 1 --profile-dir /tmp/trace
     python benchmarks/bench_cuda.py --quick                   # a tiny shape on any device
+    python benchmarks/bench_cuda.py --tp 2 --no-hf            # also tensor parallel (NCCL)
 
 `--tokenizer DIR` (tokenizer.json and its config) is needed where the embedded GGUF
 cannot be converted (no `gguf` package); by default it is taken from the conversion.
@@ -94,6 +95,24 @@ def laneserve_run(
     return len(batch) * tokens / elapsed, replays
 
 
+def laneserve_tp_tok_s(
+    model: Path, dtype: str, batch: list[list[int]], tokens: int, tp: int
+) -> float:
+    """tok/s of one timed run after a warm-up, on `tp` rank processes (NCCL on CUDA;
+    decode steps run eagerly with tp > 1)."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in batch]
+    with LLM(
+        str(model), dtype=dtype, enable_prefix_caching=False, worker_mode="process",
+        tensor_parallel_size=tp, max_num_seqs=max(len(batch), 1),
+    ) as llm:  # fmt: skip
+        llm.generate(reqs, params, use_tqdm=False)
+        start = time.perf_counter()
+        llm.generate(reqs, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    return len(batch) * tokens / elapsed
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -111,6 +130,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--profile-dir", default=None, help="trace batch 1 of the last shape")
     ap.add_argument("--quick", action="store_true", help="the tiny shape, batch 1 / 4, 16 tokens")
+    ap.add_argument("--tp", type=int, default=1, help="also run on this many ranks (one per GPU)")
     args = ap.parse_args()
     shapes, batches = args.shapes.split(","), [int(b) for b in args.batches.split(",")]
     if args.quick:
@@ -129,6 +149,10 @@ def main() -> None:
                 tok_s, replays = laneserve_run(model, args.dtype, batch, args.max_tokens, eager)
                 row[f"laneserve_{label}_tok_s"] = round(tok_s, 1)
                 row[f"{label}_replays"] = replays
+            if args.tp > 1:
+                tp_tok_s = laneserve_tp_tok_s(model, args.dtype, batch, args.max_tokens, args.tp)
+                row[f"laneserve_tp{args.tp}_tok_s"] = round(tp_tok_s, 1)
+                row[f"tp{args.tp}_vs_eager"] = round(tp_tok_s / row["laneserve_eager_tok_s"], 2)
             if not args.no_hf:
                 hf = transformers_tok_s(model, args.dtype, batch, args.max_tokens)
                 row["transformers_tok_s"] = round(hf, 1)

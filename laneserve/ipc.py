@@ -111,7 +111,7 @@ def follower_main(
                 break  # rank 0 is gone
             if not cmd:
                 break
-            worker.run_step(cmd)
+            worker.follow(cmd)
     finally:
         worker.shutdown()
 

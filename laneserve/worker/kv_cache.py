@@ -62,8 +62,8 @@ def num_blocks_for(
         tokens = int(budget // sum(g.bytes_per_token for g in groups))
         counts = [min(tokens // g.block_size, caps.get(i, 1 << 62)) for i, g in enumerate(groups)]
         capped = [i for i in caps if counts[i] < tokens // groups[i].block_size]
-        if capped:
-            rest = [i for i in range(len(groups)) if i not in capped]
+        rest = [i for i in range(len(groups)) if i not in capped]
+        if capped and rest:  # every group capped (all sliding windows): each keeps its cap
             spent = sum(counts[i] * groups[i].bytes_per_block for i in capped)
             more = int((budget - spent) // sum(groups[i].bytes_per_token for i in rest))
             for i in rest:

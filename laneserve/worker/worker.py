@@ -56,6 +56,7 @@ from laneserve.worker.failures import (
 from laneserve.worker.input_batch import InputSlot, RequestTable
 from laneserve.worker.kv_cache import KvCache, StepBounds, num_blocks_for
 from laneserve.worker.model_runner import ModelRunner
+from laneserve.worker.rank_steps import RankStep, decode_step, encode_step, end_rank
 from laneserve.worker.ranks import RankGroup, check_supported, rank_device
 from laneserve.worker.step_inputs import InputLayout, StepInputs, build_inputs
 from laneserve.worker.step_outputs import DeviceOutputs
@@ -312,10 +313,50 @@ class Worker:
     # that `device_step` still performs the step's releases and `reclaim` turns it into
     # the step's error result. `run_step` and the lanes take this same path.
     def command(self, item: StepCommand | bytes) -> PendingStep | StepFailure:
-        """Decode the command and register its new requests."""
+        """Decode the command and register its new requests (rank 0 of several: then
+        send the command, with the requests that failed alone, to the other ranks)."""
+        pending = self._command(item)
+        if self.group is not None and self.group.leader:
+            self._send_to_followers(item, pending)
+        return pending
+
+    def follow(self, data: bytes) -> None:
+        """A follower rank's step: the command less the requests rank 0 failed alone,
+        then the same stages; a failure rank 0 did not have ends this rank."""
+        step = decode_step(data)
+        if step.skip:
+            return
+        pending = self._command(step.command, set(step.rejected))
+        if isinstance(pending, StepFailure):
+            end_rank(self.tp.rank, f"step {pending.step_id}: {pending.message}")
+        mine = self.rejections.of(pending.cmd.step_id)
+        if set(mine) != set(step.rejected):
+            end_rank(self.tp.rank, f"step {pending.cmd.step_id}: rejected {mine} on this rank")
+        self.reclaim(self.device_step(self.prepare(pending, self.input_slots[0])))
+
+    def _send_to_followers(
+        self, item: StepCommand | bytes, pending: PendingStep | StepFailure
+    ) -> None:
+        assert self.group is not None
+        data = item if isinstance(item, bytes) else protocol.encode(item)
+        if isinstance(pending, StepFailure):
+            step = RankStep(data, [], skip=True)
+        else:
+            step = RankStep(data, sorted(self.rejections.of(pending.cmd.step_id)))
         try:
-            if self.group is not None and self.group.leader:  # the same command to every rank
-                self.group.send(item if isinstance(item, bytes) else protocol.encode(item))
+            self.group.send(encode_step(step))
+        except OSError as e:  # a follower is gone (its watcher ends this rank too)
+            end_rank(self.tp.rank, f"sending step to the other ranks failed: {e}")
+
+    def _ranked_failure(self, what: str) -> None:
+        """With several ranks, a failure in a later stage ends this rank (rank_steps.py)."""
+        if self.tp.size > 1:
+            end_rank(self.tp.rank, what)
+
+    def _command(
+        self, item: StepCommand | bytes, skip: set[int] | None = None
+    ) -> PendingStep | StepFailure:
+        try:
             cmd = item if isinstance(item, StepCommand) else protocol.decode_command(item)
         except Exception as e:
             assert isinstance(item, bytes), "only an encoded command fails to decode"
@@ -329,15 +370,18 @@ class Worker:
                 log.warning("step %d: request %d rejected: %s", cmd.step_id, handle, message)
                 self.rejections.add(cmd.step_id, handle, message)
         try:
-            return self._register(cmd)
+            return self._register(cmd, skip or set())
         except Exception as e:
             log.warning("malformed step command %s: %s", cmd.step_id, e)
             return StepFailure(cmd.step_id, handles_of(cmd), f"malformed step command: {e}")
 
-    def _register(self, cmd: StepCommand) -> PendingStep:
+    def _register(self, cmd: StepCommand, skip: set[int]) -> PendingStep:
         with self.tracer.span("command", step=cmd.step_id):
             prompts = []
             for new in cmd.new_requests:
+                if new.handle in skip:  # rank 0 failed it alone
+                    self.rejections.add(cmd.step_id, new.handle, "request rejected on rank 0")
+                    continue
                 try:
                     prompts.append(self._register_one(new))
                 except Exception as e:  # NOTE: this request fails alone (see failures.py)
@@ -364,6 +408,7 @@ class Worker:
         except Exception as e:
             step_id = pending.cmd.step_id
             log.exception("prepare failed for step %d", step_id)
+            self._ranked_failure(f"prepare failed for step {step_id}: {e}")
             # the requests popped before the failure are still released (device stage)
             message = f"prepare failed: {e}"
             return StepFailure(step_id, handles_of(pending.cmd), message, pending.releases)
@@ -411,6 +456,7 @@ class Worker:
                 self.runner.release(staged.releases)
         except Exception as e:
             log.exception("release failed for step %d", staged.step_id)
+            self._ranked_failure(f"release failed for step {staged.step_id}: {e}")
             return StepFailure(staged.step_id, handles_of(staged), f"release failed: {e}")
         finally:
             self.grammars.fence.handed_on()  # NOTE: every step, so that reclaim pairs up
@@ -424,6 +470,7 @@ class Worker:
             return self.runner.execute(inp)
         except Exception as e:
             log.exception("device step %d failed", inp.step_id)
+            self._ranked_failure(f"device step {inp.step_id} failed: {e}")
             return StepFailure(inp.step_id, handles_of(inp), f"step failed: {e}")
         finally:
             end = time.perf_counter_ns()
@@ -457,6 +504,7 @@ class Worker:
                 return result
         except Exception as e:
             log.exception("reclaim failed for step %d", step_id)
+            self._ranked_failure(f"reclaim failed for step {step_id}: {e}")
             return failed_result(
                 StepFailure(step_id, handles_of(staged.inputs), f"reclaim failed: {e}")
             )

@@ -56,6 +56,9 @@ def test_sliding_window_group_sized_by_its_window() -> None:
     assert num_blocks_for([full, window], 2**15, None, 16, 128, bounds) == [13, 13]
     with pytest.raises(ValueError, match="'swa' window"):
         num_blocks_for([full, window], 2**20, 7, 16, 64, bounds)
+    # only sliding-window groups (a model whose every layer is windowed): each its cap
+    other = CacheGroupSpec("swa2", "sliding_window", 16, 1, 1, (25,), 2, window=32)
+    assert num_blocks_for([window, other], 2**20, None, 16, 512, bounds) == [32, 24]
 
 
 def test_llama_group_keeps_k_and_v() -> None:

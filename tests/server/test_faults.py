@@ -58,8 +58,10 @@ class HealthLog:
         self.thread.join()
 
 
-def _stream_events(server: Server, out: list[str], started: threading.Event) -> None:
-    body = {**LONG, "stream": True}
+def _stream_events(
+    server: Server, out: list[str], started: threading.Event, body: dict = LONG
+) -> None:
+    body = {**body, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
