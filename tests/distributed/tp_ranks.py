@@ -1,8 +1,10 @@
 """What one rank of the tensor-parallel tests runs (a module-level function: spawned
-processes import it by name)."""
+processes import it by name), and the driver that runs two and compares them."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import socket
 from pathlib import Path
 
 import torch
@@ -11,9 +13,8 @@ import torch.distributed as dist
 from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import get_kernels
 from laneserve.model.layers.attention import AttentionMetadata, PrefillSpan
-from laneserve.model.llama.model import LlamaModel
 from laneserve.model.loader import resolve_checkpoint
-from laneserve.model.registry import open_weights
+from laneserve.model.registry import family_for, open_weights
 
 NUM_TOKENS = 24
 
@@ -25,12 +26,16 @@ def forward_logits(model_dir: Path, tp: TensorParallel = SINGLE) -> dict[str, ob
     cpu = torch.device("cpu")
     ckpt = resolve_checkpoint(str(model_dir), "float32", cpu)
     store = open_weights(ckpt, cpu, torch.float32)
-    a = ckpt.arch
-    model = LlamaModel(a, get_kernels(cpu), store, cpu, torch.float32, 512, tp=tp)
+    a, family = ckpt.arch, family_for(ckpt.arch)
+    model = family.model_class(a, get_kernels(cpu), store, cpu, torch.float32, 512, tp=tp)
     n = NUM_TOKENS
     ids = torch.randint(3, a.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-    kv = (2, 16, a.num_kv_heads // tp.size, a.head_dim)
-    caches = [(torch.zeros(kv), torch.zeros(kv)) for _ in range(a.num_layers)]
+    (group,) = family.cache_groups(a, 16, 4, 0, tp.size)  # a rank's own entry shape
+    entry = (2, 16, *group.entry_shape)
+    caches = [
+        tuple(torch.zeros(entry) for _ in range(group.tensors_per_entry))
+        for _ in range(a.num_layers)
+    ]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n),
         num_decode_tokens=0,
@@ -52,3 +57,43 @@ def run_rank(rank: int, size: int, port: int, model_dir: str, out_dir: str) -> N
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(model_dir: Path, out: Path, size: int = 2) -> list[dict]:
+    """`forward_logits` on `size` gloo ranks over 127.0.0.1 (spawned processes)."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=run_rank, args=(r, size, port, str(model_dir), str(out)))
+        for r in range(size)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0] * size
+    return [torch.load(out / f"rank{r}.pt") for r in range(size)]
+
+
+def check_two_ranks(model_dir: Path, out: Path) -> None:
+    """Two ranks' logits: bit-identical to each other, one device's within 1e-4 with its
+    greedy token at every position, each rank reading about half the bytes."""
+    one = forward_logits(model_dir)
+    ranks = run_ranks(model_dir, out)
+    # every rank holds all the logits (all-gathered), bit for bit the same on each
+    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
+    got, want = ranks[0]["logits"], one["logits"]
+    assert got.shape == want.shape
+    # the sums are split differently (two partial matmuls + an all-reduce): close, and
+    # the same greedy token at every position
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # each rank reads its slices only: about half the bytes (norms are replicated)
+    assert ranks[0]["bytes"] == ranks[1]["bytes"]
+    assert ranks[0]["bytes"] < 0.55 * one["bytes"], (ranks[0]["bytes"], one["bytes"])
