@@ -1,7 +1,7 @@
 """`LLM(DeepSeek V2 / V3, tensor_parallel_size=2)`: the worker process is rank 0 of two
 gloo ranks on 127.0.0.1; greedy tokens equal one device's for a batch of prompts of
 different lengths, also with V3's MTP layer drafting (k = 2, async) and with n-gram
-drafts."""
+drafts (family-independent: also on Llama)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,11 @@ def test_two_ranks_with_the_mtp_layer_drafting(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_with_ngram_drafts(tp_deepseek: dict[str, Path]) -> None:
-    d = str(tp_deepseek["v2"])
+@pytest.mark.parametrize("model", ["deepseek_v2", "llama"])
+def test_two_ranks_with_ngram_drafts(
+    tp_deepseek: dict[str, Path], tiny_models: dict[str, Path], model: str
+) -> None:
+    d = str(tp_deepseek["v2"] if model == "deepseek_v2" else tiny_models["llama"])
     prompts = [p * 3 for p in mixed_prompts(3, seed=13, lo=4, hi=8)]  # repeats: lookups hit
     with LLM(d, dtype="float32") as llm:
         want = run(llm, prompts, GREEDY)
