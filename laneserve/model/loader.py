@@ -231,12 +231,40 @@ class WeightStore:
         """Rows (dim 0) or columns (dim 1) [start, start + length) of the checked tensor
         `name`, reading only those bytes (a tensor-parallel rank's slice)."""
         file = self._index.get(name)
-        if file is None or self._scale_companion(name) is not None or self.ckpt.fp8_block:
+        if file is None or self._scale_companion(name) is not None:
             return self(name, dtype).narrow(dim, start, length).contiguous()  # NOTE: whole
-        shape = tuple(self._files[file].get_slice(name).get_shape())
+        view = self._files[file].get_slice(name)
+        shape = tuple(view.get_shape())
         self._check_shape(name, shape)
+        if view.get_dtype() == "F8_E4M3":  # the blocks covering the slice, dequantized
+            tensor = self._fp8_rows_or_cols(name, file, dim, start, length, shape[dim])
+            return self._finish(name, file, tensor, dtype)
         part = (slice(None),) * dim + (slice(start, start + length),)
         return self._finish(name, file, self._read(file, name, part), dtype)
+
+    def _fp8_rows_or_cols(
+        self, name: str, file: str, dim: int, start: int, length: int, size: int
+    ) -> torch.Tensor:
+        """Rows / columns [start, start + length) of a block-quantized fp8 tensor: the
+        values and scales of the whole blocks that cover them, dequantized, then cut."""
+        scale_name, block = self._block_scale(name)
+        values, scales, offset = fp8.covering_blocks(start, length, size, block[dim])
+        q = self._read(file, name, (slice(None),) * dim + (values,))
+        s = self._read(self._index[scale_name], scale_name, (slice(None),) * dim + (scales,))
+        try:
+            return fp8.dequantize(q, s, block).narrow(dim, offset, length).contiguous()
+        except ValueError as e:
+            raise ModelLoadError(f"tensor {name!r}: {e}") from None
+
+    def _block_scale(self, name: str) -> tuple[str, tuple[int, int]]:
+        """The fp8 tensor `name`'s `_scale_inv` companion and the block size."""
+        scale_name, block = f"{name}_scale_inv", self.ckpt.fp8_block
+        if block is None or scale_name not in self._index:
+            raise ModelLoadError(
+                f"tensor {name!r} is fp8 without a block scale ({scale_name}) and an fp8 "
+                "quantization_config in config.json"
+            )
+        return scale_name, block
 
     def _scale_companion(self, name: str) -> str | None:
         """`<stem>.scale` of a `<stem>.weight` (the DeepSeek V4 release format), if any."""
@@ -250,13 +278,7 @@ class WeightStore:
                 return fp8.dequantize_scaled(tensor, self._read(self._index[companion], companion))
             except ValueError as e:
                 raise ModelLoadError(f"tensor {name!r}: {e}") from None
-        scale_name = f"{name}_scale_inv"
-        block = self.ckpt.fp8_block
-        if block is None or scale_name not in self._index:
-            raise ModelLoadError(
-                f"tensor {name!r} is fp8 without a block scale ({scale_name}) and an fp8 "
-                "quantization_config in config.json"
-            )
+        scale_name, block = self._block_scale(name)
         try:
             return fp8.dequantize(tensor, self._read(self._index[scale_name], scale_name), block)
         except ValueError as e:

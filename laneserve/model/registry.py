@@ -45,6 +45,8 @@ class ModelFamily:
     # what tensor parallelism splits (name -> size; each must divide by the TP size);
     # None: the family has no tensor-parallel model yet
     parallel_sizes: Callable[[ArchConfig], dict[str, int]] | None = None
+    # its MTP draft head shards with the model (speculative method "mtp" with TP > 1)
+    parallel_mtp: bool = False
 
 
 def _llama_mtp(
@@ -97,6 +99,8 @@ FAMILIES = (
         deepseek.cache_groups,
         deepseek.weight_shapes,
         _deepseek_mtp,
+        parallel_sizes=deepseek.parallel_sizes,
+        parallel_mtp=True,
     ),
     ModelFamily(
         "deepseek_v4",

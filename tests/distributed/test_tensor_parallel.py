@@ -3,8 +3,6 @@ device, the ranks against each other, what a rank reads, and shapes that do not 
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,28 +11,7 @@ import torch
 from laneserve.distributed.parallel_state import ShardingError, TensorParallel
 from laneserve.model.llama.model import cache_groups, parallel_sizes
 from laneserve.model.loader import resolve_checkpoint
-from tests.distributed.tp_ranks import forward_logits, run_rank
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _run_ranks(model_dir: Path, out: Path, size: int = 2) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=run_rank, args=(r, size, port, str(model_dir), str(out)))
-        for r in range(size)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    assert [p.exitcode for p in procs] == [0] * size
-    return [torch.load(out / f"rank{r}.pt") for r in range(size)]
+from tests.distributed.tp_ranks import check_two_ranks
 
 
 @pytest.mark.slow
@@ -42,20 +19,7 @@ def _run_ranks(model_dir: Path, out: Path, size: int = 2) -> list[dict]:
 def test_two_ranks_match_one_device_and_each_other(
     tiny_models: dict[str, Path], tmp_path: Path, family: str
 ) -> None:
-    model_dir = tiny_models[family]
-    one = forward_logits(model_dir)
-    ranks = _run_ranks(model_dir, tmp_path)
-    # every rank holds all the logits (all-gathered), bit for bit the same on each
-    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
-    got, want = ranks[0]["logits"], one["logits"]
-    assert got.shape == want.shape
-    # the sums are split differently (two partial matmuls + an all-reduce): close, and
-    # the same greedy token at every position
-    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
-    # each rank reads its slices only: about half the bytes (norms are replicated)
-    assert ranks[0]["bytes"] == ranks[1]["bytes"]
-    assert ranks[0]["bytes"] < 0.55 * one["bytes"], (ranks[0]["bytes"], one["bytes"])
+    check_two_ranks(tiny_models[family], tmp_path)
 
 
 def test_shards_are_the_ranks_slices(tiny_models: dict[str, Path]) -> None:

@@ -5,12 +5,18 @@ Each layer: RMSNorm -> MLA (`layers/mla.py`) -> RMSNorm -> MLP; the first
 MoE with shared experts (`layers/moe.py`). The paged cache has one MLA latent group
 (`cache_groups`). Inference only; weights come from an HF-named state dict
 (release layout: one tensor per expert).
+
+With tensor parallelism (`tp`, docs/distributed.md) a rank holds its share of the
+attention heads (MLA: q_b / kv_b rows, o_proj columns; the latent cache is whole), of
+every expert's and the dense MLP's features, and of the vocabulary; o_proj and each MLP
+or MoE block end in one all-reduce, the LM head in an all-gather.
 """
 
 from __future__ import annotations
 
 import torch
 
+from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import Kernels
 from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.arch import ArchConfig, DeepseekParams
@@ -21,6 +27,7 @@ from laneserve.model.layers.mla import MlaAttention
 from laneserve.model.layers.mlp import GatedMLP
 from laneserve.model.layers.moe import MoE
 from laneserve.model.layers.norm import RMSNorm
+from laneserve.model.layers.parallel_blocks import ReducedMLP, gated_mlp_shard, vocab_shard
 from laneserve.model.layers.rope import MlaRotary
 from laneserve.model.layers.weights import WeightGetter
 
@@ -41,15 +48,21 @@ class DeepseekLayer:
         prefix: str,
         rotary: MlaRotary,
         dense: bool,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         eps = arch.rms_norm_eps
-        self.attn = MlaAttention(arch, kernels, get, prefix, rotary)
+        self.attn = MlaAttention(arch, kernels, get, prefix, rotary, tp)
         m = f"{prefix}.mlp"
-        if dense:
+        self.mlp: GatedMLP | ReducedMLP | MoE
+        if dense and tp.size > 1:
+            what = "intermediate size"
+            mlp = gated_mlp_shard(kernels, get, m, arch.intermediate_size, what, tp)
+            self.mlp = ReducedMLP(mlp, tp)
+        elif dense:
             gate_up = torch.cat([get(f"{m}.gate_proj.weight"), get(f"{m}.up_proj.weight")])
-            self.mlp: GatedMLP | MoE = GatedMLP(kernels, gate_up, get(f"{m}.down_proj.weight"))
+            self.mlp = GatedMLP(kernels, gate_up, get(f"{m}.down_proj.weight"))
         else:
-            self.mlp = MoE(_params(arch), kernels, get, m)
+            self.mlp = MoE(_params(arch), kernels, get, m, tp)
         self.input_norm = RMSNorm(kernels, get(f"{prefix}.input_layernorm.weight"), eps)
         self.post_norm = RMSNorm(kernels, get(f"{prefix}.post_attention_layernorm.weight"), eps)
 
@@ -79,10 +92,10 @@ class DeepseekModel(DecoderStack):
         device: torch.device,
         act_dtype: torch.dtype,
         max_positions: int,
+        tp: TensorParallel = SINGLE,  # this rank's view of its tensor-parallel group
     ) -> None:
         p = _params(arch)
-        self.arch, self.kernels, self.act_dtype = arch, kernels, act_dtype
-        self.embed_tokens = get("model.embed_tokens.weight")  # [V, H]
+        self.arch, self.kernels, self.act_dtype, self.tp = arch, kernels, act_dtype, tp
         self.rotary = MlaRotary(
             arch.rope_scaling or {"rope_theta": arch.rope_theta},
             p.qk_rope_head_dim,
@@ -93,19 +106,34 @@ class DeepseekModel(DecoderStack):
         )
         self.layers = [
             DeepseekLayer(
-                arch, kernels, get, f"model.layers.{i}", self.rotary, i < p.first_k_dense_replace
+                arch,
+                kernels,
+                get,
+                f"model.layers.{i}",
+                self.rotary,
+                i < p.first_k_dense_replace,
+                tp,
             )
             for i in range(arch.num_layers)
         ]
         self.norm = RMSNorm(kernels, get("model.norm.weight"), arch.rms_norm_eps)
-        head = self.embed_tokens if arch.tie_word_embeddings else get("lm_head.weight")
+        tied = arch.tie_word_embeddings
+        if tp.size > 1:
+            self.embed_tokens, self.vocab_embed, self.lm_head = vocab_shard(
+                kernels, get, arch.vocab_size, tied, tp
+            )
+            return
+        self.embed_tokens = get("model.embed_tokens.weight")  # [V, H]
+        head = self.embed_tokens if tied else get("lm_head.weight")
         self.lm_head = Linear(kernels, head, None)
 
 
 def cache_groups(
-    arch: ArchConfig, block_size: int, dtype_bytes: int, mtp_layers: int
+    arch: ArchConfig, block_size: int, dtype_bytes: int, mtp_layers: int, tp_size: int = 1
 ) -> list[CacheGroupSpec]:
-    """One latent entry per token and layer; the MTP layers get a group of their own."""
+    """One latent entry per token and layer; the MTP layers get a group of their own.
+    The latent is per token, not per head: every tensor-parallel rank (`tp_size`) caches
+    all of it."""
     p = _params(arch)
 
     def group(name: str, layers: int) -> CacheGroupSpec:
@@ -117,6 +145,20 @@ def cache_groups(
     if mtp_layers:
         groups.append(group("mtp", mtp_layers))
     return groups
+
+
+def parallel_sizes(arch: ArchConfig) -> dict[str, int]:
+    """What tensor parallelism splits, by name: each must divide by the TP size."""
+    p = _params(arch)
+    sizes = {"attention heads": arch.num_heads, "vocabulary size": arch.vocab_size}
+    if p.first_k_dense_replace:
+        sizes["intermediate size"] = arch.intermediate_size
+    if p.first_k_dense_replace < arch.num_layers + p.num_nextn_predict_layers:
+        sizes["moe intermediate size"] = p.moe_intermediate_size
+        if p.n_shared_experts:
+            shared = p.moe_intermediate_size * p.n_shared_experts
+            sizes["shared experts' intermediate size"] = shared
+    return sizes
 
 
 def weight_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:

@@ -9,7 +9,9 @@
 
 The embedding and the LM head are the target's (the checkpoint's per-layer copies
 `embed_tokens` / `shared_head.head` are the same tensors, as transformers shares
-them). The block has its own MLA cache group. The head has the interface of
+them). The block has its own MLA cache group. Under tensor parallelism the block is
+sharded like the target's layers and every rank drafts the same tokens from the same
+all-gathered logits. The head has the interface of
 `model/llama/mtp.py`'s head, so the same proposer (`spec_decode/proposers.py`) runs it.
 """
 
@@ -47,7 +49,8 @@ class DeepseekMtpHead:
         self.hnorm = RMSNorm(kernels, get(f"{prefix}.hnorm.weight"), eps)
         self.eh_proj = Linear(kernels, get(f"{prefix}.eh_proj.weight"), None)
         dense = arch.num_layers < p.first_k_dense_replace
-        self.layer = DeepseekLayer(arch, kernels, get, prefix, base.rotary, dense)
+        # sharded as the target's layers; eh_proj and the norms are whole on every rank
+        self.layer = DeepseekLayer(arch, kernels, get, prefix, base.rotary, dense, base.tp)
         self.norm = RMSNorm(kernels, get(f"{prefix}.shared_head.norm.weight"), eps)
         self.head = base.lm_head
         self.draft_vocab = None

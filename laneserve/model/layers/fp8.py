@@ -48,6 +48,13 @@ def dequantize(
     return q.float() * scale
 
 
+def covering_blocks(start: int, length: int, size: int, block: int) -> tuple[slice, slice, int]:
+    """The values and the scales of the whole blocks (along one dimension of `size`)
+    that cover [start, start + length), and where the range starts in those values."""
+    lo, hi = start // block * block, min(-(-(start + length) // block) * block, size)
+    return slice(lo, hi), slice(lo // block, -(-hi // block)), start - lo
+
+
 def quantize(
     w: torch.Tensor, block: tuple[int, int] = (128, 128)
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,23 +19,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import Kernels
 from laneserve.kernels.base import PAGED_ATTENTION_MAX_HEAD_DIM
 from laneserve.model.arch import ArchConfig
 from laneserve.model.layers.attention import AttentionMetadata, PrefillSpan
 from laneserve.model.layers.linear import Linear
 from laneserve.model.layers.norm import RMSNorm
+from laneserve.model.layers.parallel import RowParallelLinear, column_weight, row_weight
 from laneserve.model.layers.rope import MlaRotary, softmax_scale
 from laneserve.model.layers.weights import WeightGetter
 
 
 class MlaAttention:
+    """With tensor parallelism (`tp`) a rank holds its heads' rows of q_b (or V2's
+    q_proj) and kv_b, and their columns of o_proj (all-reduced); q_a, kv_a, their norms
+    and the latent cache are whole on every rank (the latent is per token, not per head)."""
+
     def __init__(
-        self, arch: ArchConfig, kernels: Kernels, get: WeightGetter, prefix: str, rotary: MlaRotary
+        self,
+        arch: ArchConfig,
+        kernels: Kernels,
+        get: WeightGetter,
+        prefix: str,
+        rotary: MlaRotary,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         p = arch.deepseek
         assert p is not None
-        self.p, self.rotary, self.heads = p, rotary, arch.num_heads
+        self.p, self.rotary, self.heads = p, rotary, arch.num_heads // tp.size  # this rank's
         eps = arch.rms_norm_eps
         a = f"{prefix}.self_attn"
 
@@ -48,12 +60,13 @@ class MlaAttention:
         kv_a, kv_a_bias = get(f"{a}.kv_a_proj_with_mqa.weight"), bias("kv_a_proj_with_mqa")
         self.q_a_rank = 0
         if p.q_lora_rank is None:
-            self.q_proj = Linear(kernels, get(f"{a}.q_proj.weight"), None)
+            self.q_proj = Linear(kernels, _heads(get, f"{a}.q_proj", arch, p.qk_head_dim, tp), None)
             self.in_proj = Linear(kernels, kv_a, kv_a_bias)
         else:
             self.q_a_rank = p.q_lora_rank
             self.q_norm = RMSNorm(kernels, get(f"{a}.q_a_layernorm.weight"), eps)
-            self.q_proj = Linear(kernels, get(f"{a}.q_b_proj.weight"), None)
+            q_b = _heads(get, f"{a}.q_b_proj", arch, p.qk_head_dim, tp)
+            self.q_proj = Linear(kernels, q_b, None)
             q_a_bias = bias("q_a_proj")
             fused_bias = None
             if q_a_bias is not None and kv_a_bias is not None:
@@ -62,7 +75,8 @@ class MlaAttention:
                 kernels, torch.cat([get(f"{a}.q_a_proj.weight"), kv_a]), fused_bias
             )
         self.kv_norm = RMSNorm(kernels, get(f"{a}.kv_a_layernorm.weight"), eps)
-        kv_b = get(f"{a}.kv_b_proj.weight")  # [H * (nope + v), r]
+        # [H * (nope + v), r] (its rows for this rank's heads)
+        kv_b = _heads(get, f"{a}.kv_b_proj", arch, p.qk_nope_head_dim + p.v_head_dim, tp)
         self.kv_b = Linear(kernels, kv_b, None)
         w = kv_b.view(self.heads, p.qk_nope_head_dim + p.v_head_dim, p.kv_lora_rank)
         act = rotary.cos.dtype  # the absorbed decode multiplies activations by these
@@ -78,7 +92,7 @@ class MlaAttention:
             and p.latent_dim % 8 == 0
             and p.latent_dim <= PAGED_ATTENTION_MAX_HEAD_DIM
         )
-        self.o_proj = Linear(kernels, get(f"{a}.o_proj.weight"), bias("o_proj"))
+        self.o_proj = _o_proj(kernels, get, a, arch, bias("o_proj"), tp)
         self.scale = softmax_scale(arch.rope_scaling or {}, p.qk_head_dim)
 
     def __call__(
@@ -206,6 +220,35 @@ class MlaAttention:
         scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)  # [nd, H, L]
         return torch.bmm(probs, c)  # [nd, H, r]
+
+
+def _heads(
+    get: WeightGetter, name: str, arch: ArchConfig, head_rows: int, tp: TensorParallel
+) -> torch.Tensor:
+    """`name.weight` [heads * head_rows, in]: this rank's heads' rows (column-parallel)."""
+    if tp.size == 1:
+        return get(f"{name}.weight")
+    return column_weight(
+        get, [(f"{name}.weight", arch.num_heads, head_rows, "attention heads")], tp
+    )
+
+
+def _o_proj(
+    kernels: Kernels,
+    get: WeightGetter,
+    a: str,
+    arch: ArchConfig,
+    bias: torch.Tensor | None,
+    tp: TensorParallel,
+) -> Linear | RowParallelLinear:
+    """o_proj whole, or its columns of this rank's heads, all-reduced (the bias is added
+    by rank 0 only: once in the sum)."""
+    if tp.size == 1:
+        return Linear(kernels, get(f"{a}.o_proj.weight"), bias)
+    assert arch.deepseek is not None
+    v = arch.deepseek.v_head_dim
+    w = row_weight(get, f"{a}.o_proj.weight", arch.num_heads, v, "attention heads", tp)
+    return RowParallelLinear(Linear(kernels, w, bias if tp.rank == 0 else None), tp)
 
 
 def _own_last_keys(

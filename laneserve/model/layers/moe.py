@@ -29,11 +29,13 @@ from dataclasses import replace
 
 import torch
 
+from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import Kernels
 from laneserve.kernels.reference import LAYOUT_TORCH
 from laneserve.model.arch import DeepseekParams
 from laneserve.model.layers.linear import Linear
 from laneserve.model.layers.mlp import GatedMLP
+from laneserve.model.layers.parallel_blocks import expert_shards, gated_mlp_shard
 from laneserve.model.layers.weights import WeightGetter
 
 log = logging.getLogger(__name__)
@@ -75,8 +77,20 @@ def _mask_groups(
 
 
 class MoE:
-    def __init__(self, p: DeepseekParams, kernels: Kernels, get: WeightGetter, prefix: str) -> None:
-        self.p = p
+    """Routed experts plus shared experts. With tensor parallelism (`tp`) a rank holds a
+    slice of every expert's features (`parallel_blocks.expert_shards`) and of the shared
+    experts; the router is replicated. Its routed and shared partial sums are added
+    locally, then all-reduced once (docs/distributed.md)."""
+
+    def __init__(
+        self,
+        p: DeepseekParams,
+        kernels: Kernels,
+        get: WeightGetter,
+        prefix: str,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        self.p, self.tp = p, tp
         # NOTE: the router stays in fp32 whatever the run dtype (as transformers keeps it)
         self.gate = get(f"{prefix}.gate.weight", torch.float32)  # [E, H]
         self.bias = None
@@ -85,25 +99,21 @@ class MoE:
         x = f"{prefix}.experts"
         # per expert: gate and up rows fused (one matmul), then down; through the kernels,
         # which keep bf16 weights as they are and accumulate in fp32 on CPU
-        self.w13 = [
-            Linear(
-                kernels,
-                torch.cat([get(f"{x}.{i}.gate_proj.weight"), get(f"{x}.{i}.up_proj.weight")]),
-                None,
-            )
-            for i in range(p.n_routed_experts)
-        ]
-        self.w2 = [
-            Linear(kernels, get(f"{x}.{i}.down_proj.weight"), None)
-            for i in range(p.n_routed_experts)
-        ]
+        if tp.size == 1:
+            w13 = [
+                torch.cat([get(f"{x}.{i}.gate_proj.weight"), get(f"{x}.{i}.up_proj.weight")])
+                for i in range(p.n_routed_experts)
+            ]
+            w2 = [get(f"{x}.{i}.down_proj.weight") for i in range(p.n_routed_experts)]
+        else:
+            w13, w2 = expert_shards(get, x, p.n_routed_experts, p.moe_intermediate_size, tp)
+        self.w13 = [Linear(kernels, w, None) for w in w13]
+        self.w2 = [Linear(kernels, w, None) for w in w2]
         self.kernels = kernels
         self.stacked = StackedExperts.build(kernels, self.w13, self.w2)
         self.shared = None
         if p.n_shared_experts:
-            s = f"{prefix}.shared_experts"
-            gate_up = torch.cat([get(f"{s}.gate_proj.weight"), get(f"{s}.up_proj.weight")])
-            self.shared = GatedMLP(kernels, gate_up, get(f"{s}.down_proj.weight"))
+            self.shared = _shared_experts(p, kernels, get, f"{prefix}.shared_experts", tp)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         logits = x.float() @ self.gate.t()
@@ -111,7 +121,7 @@ class MoE:
         out = self.experts(x, weights, ids)
         if self.shared is not None:
             out.add_(self.shared(x))
-        return out
+        return self.tp.all_reduce(out)  # one reduction of both partial sums (N > 1)
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.stacked is not None:
@@ -121,6 +131,16 @@ class MoE:
             return self.w2[e](self.kernels.silu_and_mul(self.w13[e](xs)))
 
         return grouped_experts(x, weights, ids, expert)
+
+
+def _shared_experts(
+    p: DeepseekParams, kernels: Kernels, get: WeightGetter, s: str, tp: TensorParallel
+) -> GatedMLP:
+    if tp.size > 1:  # features of all the shared experts, side by side in the checkpoint
+        inter = p.moe_intermediate_size * p.n_shared_experts
+        return gated_mlp_shard(kernels, get, s, inter, "shared experts' intermediate size", tp)
+    gate_up = torch.cat([get(f"{s}.gate_proj.weight"), get(f"{s}.up_proj.weight")])
+    return GatedMLP(kernels, gate_up, get(f"{s}.down_proj.weight"))
 
 
 ExpertFn = Callable[[int, torch.Tensor, int | None], torch.Tensor]  # (e, rows, first_prefill)

@@ -1,0 +1,76 @@
+"""`LLM(DeepSeek V2 / V3, tensor_parallel_size=2)`: the worker process is rank 0 of two
+gloo ranks on 127.0.0.1; greedy tokens equal one device's for a batch of prompts of
+different lengths, also with V3's MTP layer drafting (k = 2, async) and with n-gram
+drafts (family-independent: also on Llama)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from laneserve import LLM, SamplingParams
+from tests.e2e.test_tiny_models import mixed_prompts, run
+from tests.tiny_models import build_exact_deepseek_mtp, hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _two_ranks(model: str, **kw: object) -> LLM:
+    return LLM(model, dtype="float32", tensor_parallel_size=2, worker_mode="process", **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("version", "async_scheduling"), [("v3", True), ("v2", False)])
+def test_two_ranks_generate_what_one_device_does(
+    tp_deepseek: dict[str, Path], version: str, async_scheduling: bool
+) -> None:
+    d = str(tp_deepseek[version])
+    prompts = mixed_prompts(6, seed=2)  # different lengths, one batch
+    with LLM(d, dtype="float32") as llm:
+        want = run(llm, prompts)
+    with _two_ranks(d, async_scheduling=async_scheduling) as llm:
+        assert run(llm, prompts) == want
+
+
+@pytest.mark.slow
+def test_two_ranks_with_the_mtp_layer_drafting(tmp_path: Path) -> None:
+    # a V3 whose MTP layer copies its (MoE) decoder layer, attention kept: it drafts the
+    # target's next token most of the time, so accepted drafts prove the head engaged
+    d = build_exact_deepseek_mtp(tmp_path / "mtp", keep_attention=True)
+    prompts = mixed_prompts(4, seed=12, lo=3, hi=40)
+    with LLM(str(d), dtype="float32") as llm:
+        want = run(llm, prompts, GREEDY)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with _two_ranks(str(d), async_scheduling=True, speculative_config=spec) as llm:
+        got = run(llm, prompts, GREEDY)
+        stats = llm.get_stats()
+    assert got == want
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] > 0, stats
+    assert got[0] == hf_greedy(d, prompts[0], 24)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["deepseek_v2", "llama"])
+def test_two_ranks_with_ngram_drafts(
+    tp_deepseek: dict[str, Path], tiny_models: dict[str, Path], model: str
+) -> None:
+    d = str(tp_deepseek["v2"] if model == "deepseek_v2" else tiny_models["llama"])
+    prompts = [p * 3 for p in mixed_prompts(3, seed=13, lo=4, hi=8)]  # repeats: lookups hit
+    with LLM(d, dtype="float32") as llm:
+        want = run(llm, prompts, GREEDY)
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with _two_ranks(d, async_scheduling=True, speculative_config=spec) as llm:
+        got = run(llm, prompts, GREEDY)
+        stats = llm.get_stats()
+    assert got == want
+    assert stats["spec_num_drafts"] > 0, stats
+
+
+@pytest.mark.slow
+def test_an_uneven_head_count_is_refused_at_start(tmp_path: Path) -> None:
+    from tests.tiny_models import build_tiny_deepseek
+
+    d = build_tiny_deepseek(tmp_path / "odd", 3, num_attention_heads=3, num_key_value_heads=3)
+    with pytest.raises(ValueError, match=r"does not divide the model's attention heads \(3\)"):
+        _two_ranks(str(d))
