@@ -248,6 +248,35 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1  # ranks per model (docs/distributed.md)
     distributed_executor_backend: str = "mp"  # rank processes spawned by the worker
+    nnodes: int = 1  # machines the ranks are spread over (tensor_parallel_size / nnodes each)
+    node_rank: int = 0  # this machine's index; node 0 runs the engine and rank 0
+    master_addr: str = "127.0.0.1"  # node 0's address, where the ranks meet
+    master_port: int = 29501  # node 0's rendezvous port (several nodes only)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def node_ranks(self) -> range:
+        """The global ranks this node runs."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
+
+
+def _validate_nodes(p: ParallelConfig) -> None:
+    if p.nnodes < 1:
+        raise ValueError(f"nnodes must be >= 1, got {p.nnodes}")
+    if not 0 <= p.node_rank < p.nnodes:
+        raise ValueError(
+            f"node_rank must be in [0, nnodes - 1 = {p.nnodes - 1}], got {p.node_rank}"
+        )
+    if p.tensor_parallel_size % p.nnodes:
+        raise ValueError(
+            f"tensor_parallel_size {p.tensor_parallel_size} does not divide over nnodes "
+            f"{p.nnodes} (each node runs the same number of ranks)"
+        )
+    if not 0 < p.master_port < 65536:
+        raise ValueError(f"master_port must be a TCP port (1..65535), got {p.master_port}")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -296,6 +325,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"distributed_executor_backend must be 'mp', got {p.distributed_executor_backend!r}"
             )
+        _validate_nodes(p)
         if p.tensor_parallel_size > 1 and self.worker.mode != "process":
             raise ValueError(
                 "tensor_parallel_size > 1 runs in worker processes (worker mode 'process')"

@@ -181,6 +181,18 @@ class EngineArgs:
     distributed_executor_backend: str = _arg(
         "mp", "how the ranks start: 'mp' (processes spawned by the worker)", choices=("mp",)
     )
+    nnodes: int = _from_config(
+        ParallelConfig, "nnodes", "machines the tensor-parallel ranks are spread over"
+    )
+    node_rank: int = _from_config(
+        ParallelConfig, "node_rank", "this machine's index (0: the engine's; others: --headless)"
+    )
+    master_addr: str = _from_config(
+        ParallelConfig, "master_addr", "node 0's address, where the ranks of every node meet"
+    )
+    master_port: int = _from_config(
+        ParallelConfig, "master_port", "node 0's rendezvous port (with --nnodes > 1)"
+    )
     # vLLM's flags with a narrower meaning here (engine_compat.py)
     kv_cache_dtype: str = _arg("auto", "KV cache dtype; only auto (the model's dtype)")
     quantization: str | None = _arg(
@@ -261,6 +273,10 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+                nnodes=self.nnodes,
+                node_rank=self.node_rank,
+                master_addr=self.master_addr,
+                master_port=self.master_port,
             ),
             worker=WorkerConfig(
                 mode=self.worker_mode or default_worker_mode(),

@@ -31,6 +31,7 @@ from laneserve.core.engine_core import WorkerDiedError
 from laneserve.obs.profiling import Tracer
 from laneserve.protocol import StepCommand, StepResult, WorkerFailed, WorkerReady
 from laneserve.spawn import ignore_interrupts, spawn_helper
+from laneserve.worker.rank_steps import BAD_FLAGS_EXIT
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,11 @@ def worker_main(conn_in: Connection, conn: Connection, log_level: int) -> None:
         from laneserve.worker.ranks import rank_device, start_leader
 
         device = rank_device(resolve_device(config.model.device), 0)
-        group = start_leader(config, device, follower_main)
+        try:
+            group = start_leader(config, device, follower_main)
+        except ValueError as e:  # another node's flags differ
+            conn.send_bytes(protocol.encode(WorkerFailed(str(e), bad_input=True)))
+            return
 
     def emit(result: StepResult) -> None:
         data = protocol.encode(result)
@@ -86,7 +91,7 @@ def worker_main(conn_in: Connection, conn: Connection, log_level: int) -> None:
 
 
 def follower_main(
-    data: bytes, rank: int, addr: str, port: int, pipe: Connection, log_level: int
+    data: bytes, rank: int, addr: str, port: int, pipe: Connection | None, log_level: int
 ) -> None:
     """Ranks 1..N-1 of a tensor-parallel worker: the same worker, fed every step command
     that rank 0 gets (worker/ranks.py); their results are dropped (rank 0 answers)."""
@@ -96,21 +101,19 @@ def follower_main(
         datefmt="%H:%M:%S",
     )
     from laneserve.model.loader import resolve_device
-    from laneserve.worker.ranks import RankGroup, join_group, rank_device
+    from laneserve.worker.ranks import join, rank_device
     from laneserve.worker.worker import Worker
 
     config = msgspec.msgpack.decode(data, type=EngineConfig)
     device = rank_device(resolve_device(config.model.device), rank)
-    size = config.parallel.tensor_parallel_size
-    worker = Worker(config, RankGroup(join_group(rank, size, addr, port, device)))
     try:
-        while True:
-            try:
-                cmd = pipe.recv_bytes()
-            except (EOFError, OSError):
-                break  # rank 0 is gone
-            if not cmd:
-                break
+        group = join(config, rank, addr, port, device)
+    except ValueError as e:  # this node's flags differ from rank 0's
+        log.error("%s", e)
+        sys.exit(BAD_FLAGS_EXIT)
+    worker = Worker(config, group)
+    try:
+        while cmd := group.recv(pipe):  # b"": rank 0 stopped or is gone
             worker.follow(cmd)
     finally:
         worker.shutdown()

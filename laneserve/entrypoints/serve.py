@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES
+from laneserve.config import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, EngineConfig
 from laneserve.engine_args import EngineArgs
 from laneserve.entrypoints import dashboard_flags, listen
 from laneserve.model_path import check_model_path
@@ -120,6 +120,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="/health answers 503 while one engine step has run longer than this "
         "(a stopped or hung worker with work pending)",
     )
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="with --nnodes > 1 on nodes 1..: run this node's ranks only (no API server, "
+        "no engine); they join node 0 at --master-addr:--master-port",
+    )
     EngineArgs.add_cli_args(p, default_worker_mode="process")
     p.set_defaults(func=run)
 
@@ -161,6 +167,11 @@ def run(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}")
         return 2
+    if (err := _node_role_error(ns.headless, config)) is not None:
+        print(f"error: {err}")
+        return 2
+    if ns.headless:
+        return _run_headless(config)
     if ns.max_n < 1:
         print(f"error: --max-n must be >= 1, got {ns.max_n}")
         return 2
@@ -248,6 +259,31 @@ def run(ns: argparse.Namespace) -> int:
         print(f"error: {failed[0]}")
         return 2
     return 0
+
+
+def _node_role_error(headless: bool, config: EngineConfig) -> str | None:
+    """Node 0 serves; the other nodes of a multi-node model only run ranks."""
+    p = config.parallel
+    if headless and p.nnodes == 1:
+        return "--headless runs the ranks of a model spread over machines: it needs --nnodes > 1"
+    if headless and p.node_rank == 0:
+        return "--headless is for nodes 1..nnodes-1: node 0 runs the engine and the API server"
+    if not headless and p.node_rank > 0:
+        return f"node {p.node_rank} runs ranks only: add --headless (node 0 serves the API)"
+    return None
+
+
+def _run_headless(config: EngineConfig) -> int:
+    import signal
+    import threading
+
+    from laneserve.ipc import follower_main
+    from laneserve.worker.headless import run_headless
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return run_headless(config, follower_main, stop)
 
 
 def _draining_server(config, state: ServerState, grace_s: float):

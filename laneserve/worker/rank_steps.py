@@ -28,6 +28,8 @@ import msgspec
 
 log = logging.getLogger(__name__)
 
+BAD_FLAGS_EXIT = 2  # a rank's exit code when its node's flags differ from node 0's
+
 
 class RankStep(msgspec.Struct, array_like=True, frozen=True):
     """What rank 0 sends each follower per step."""

@@ -4,6 +4,10 @@ The worker process is rank 0. With `tensor_parallel_size` N > 1 it spawns ranks
 1..N-1 (`ipc.follower_main`) (multiprocessing `spawn`, like vLLM's mp executor), and all N join one
 torch.distributed group (gloo on CPU, NCCL on CUDA) over 127.0.0.1, or over
 `MASTER_ADDR` / `MASTER_PORT` where the environment sets them (torchrun's names).
+Across machines (`nnodes` > 1) node k runs ranks k*L .. k*L+L-1 (L = N / nnodes; node 0
+through the engine's worker, the others through `laneserve serve --headless`), the
+group meets at `master_addr:master_port`, and the commands travel over a gloo group
+(distributed/command_broadcast.py) instead of pipes.
 
 ```
  engine --cmd--> rank 0 --pipe--> rank 1 .. N-1     the step command, once per rank
@@ -21,6 +25,7 @@ followers exit.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import multiprocessing as mp
 import os
@@ -37,9 +42,11 @@ import torch
 import torch.distributed as dist
 
 from laneserve.config import EngineConfig, SpeculativeConfig
+from laneserve.distributed.command_broadcast import CommandBroadcast
 from laneserve.distributed.parallel_state import TensorParallel
 from laneserve.model.arch import ArchConfig
 from laneserve.model.registry import FAMILIES, ModelFamily
+from laneserve.worker.rank_steps import end_rank
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +59,8 @@ class RankGroup:
 
     tp: TensorParallel
     pipes: list[Connection] = field(default_factory=list)  # rank 0: one per follower
-    followers: Sequence[BaseProcess] = field(default_factory=list)
+    followers: Sequence[BaseProcess] = field(default_factory=list)  # rank 0: this node's
+    broadcast: CommandBroadcast | None = None  # ranks on several nodes: the commands
     stopping: bool = False
 
     @property
@@ -60,9 +68,25 @@ class RankGroup:
         return self.tp.rank == 0
 
     def send(self, data: bytes) -> None:
-        """Rank 0: the step command (encoded) to every follower; b"" stops them."""
+        """Rank 0: the step command (encoded) to every follower; b"" stops them.
+        OSError when a follower is gone."""
+        if self.broadcast is not None:
+            try:
+                self.broadcast.send(data)
+            except RuntimeError as e:  # gloo: a peer's connection closed
+                raise ConnectionError(str(e)) from e
         for pipe in self.pipes:
             pipe.send_bytes(data)
+
+    def recv(self, pipe: Connection | None) -> bytes:
+        """Ranks 1..N-1: the next command; b"" when rank 0 stopped or is gone."""
+        try:
+            if self.broadcast is not None:
+                return self.broadcast.recv()
+            assert pipe is not None, "a rank on one node reads its pipe"
+            return pipe.recv_bytes()
+        except (EOFError, OSError, RuntimeError):
+            return b""  # rank 0 is gone
 
     def min_over_ranks(self, values: list[int], device: torch.device) -> list[int]:
         """The element-wise minimum over the ranks (e.g. KV blocks: the smallest budget)."""
@@ -72,6 +96,10 @@ class RankGroup:
 
     def close(self) -> None:
         self.stopping = True
+        if self.leader and self.broadcast is not None:
+            self.broadcast.stop_heartbeat()
+            with contextlib.suppress(OSError):
+                self.send(b"")
         if self.leader:
             for pipe in self.pipes:
                 with contextlib.suppress(OSError):
@@ -125,6 +153,42 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
+def rendezvous_of(config: EngineConfig) -> tuple[str, int]:
+    """Where the ranks meet: node 0's address and port across machines, else `rendezvous`."""
+    p = config.parallel
+    return (p.master_addr, p.master_port) if p.nnodes > 1 else rendezvous()
+
+
+def join(config: EngineConfig, rank: int, addr: str, port: int, device: torch.device) -> RankGroup:
+    """A rank's group; across machines also the command group, after checking that every
+    node was started with the same model and flags."""
+    tp = join_group(rank, config.parallel.tensor_parallel_size, addr, port, device)
+    if config.parallel.nnodes == 1:
+        return RankGroup(tp)
+    broadcast = CommandBroadcast(dist.new_group(backend="gloo"))
+    _check_same_config(config, rank, broadcast.group)
+    return RankGroup(tp, broadcast=broadcast)
+
+
+def config_digest(config: EngineConfig) -> str:
+    """What must be equal on every node: the model, cache, speculation and parallel
+    settings (each node names its own node_rank; worker settings are per node)."""
+    same = msgspec.structs.replace(config.parallel, node_rank=0)
+    parts = (config.model, config.cache, config.speculative, same)
+    return hashlib.sha256(msgspec.msgpack.encode(parts)).hexdigest()
+
+
+def _check_same_config(config: EngineConfig, rank: int, group: dist.ProcessGroup) -> None:
+    digests: list[object] = [None] * config.parallel.tensor_parallel_size
+    dist.all_gather_object(digests, config_digest(config), group=group)
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise ValueError(
+            f"rank(s) {differ} were started with another model or other flags than rank 0: "
+            "every node must get the same model path and engine flags"
+        )
+
+
 def join_group(rank: int, size: int, addr: str, port: int, device: torch.device) -> TensorParallel:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -139,7 +203,7 @@ def join_group(rank: int, size: int, addr: str, port: int, device: torch.device)
     return TensorParallel(rank, size, dist.group.WORLD)
 
 
-FollowerMain = Callable[[bytes, int, str, int, Connection, int], None]
+FollowerMain = Callable[[bytes, int, str, int, Connection | None, int], None]
 
 
 def start_leader(config: EngineConfig, device: torch.device, target: FollowerMain) -> RankGroup:
@@ -147,27 +211,43 @@ def start_leader(config: EngineConfig, device: torch.device, target: FollowerMai
     level)`, a module-level function: spawn pickles it by name), join the group, watch
     the followers."""
     size = config.parallel.tensor_parallel_size
-    addr, port = rendezvous()
-    ctx = mp.get_context("spawn")
-    data = msgspec.msgpack.encode(config)
-    level = logging.getLogger("laneserve").getEffectiveLevel()
+    addr, port = rendezvous_of(config)
+    local = config.parallel.nnodes == 1  # followers on this node only: one pipe each
     pipes, followers = [], []
-    for rank in range(1, size):
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(
-            target=target,
-            args=(data, rank, addr, port, recv, level),
-            name=f"laneserve-rank{rank}",
-            daemon=True,
-        )
-        p.start()
-        recv.close()
-        pipes.append(send)
-        followers.append(p)
-    group = RankGroup(join_group(0, size, addr, port, device), pipes, followers)
-    threading.Thread(target=_watch, args=(group,), name="rank-watch", daemon=True).start()
+    for rank in config.parallel.node_ranks()[1:]:
+        pipe = spawn_follower(config, rank, addr, port, target, with_pipe=local)
+        followers.append(pipe[0])
+        if pipe[1] is not None:
+            pipes.append(pipe[1])
+    group = join(config, 0, addr, port, device)
+    group.pipes, group.followers = pipes, followers
+    if group.broadcast is not None:
+        group.broadcast.start_heartbeat(lambda e: end_rank(0, f"a rank on another node: {e}"))
+    if followers:
+        threading.Thread(target=_watch, args=(group,), name="rank-watch", daemon=True).start()
     log.info("tensor parallel: %d ranks joined over %s:%d", size, addr, port)
     return group
+
+
+def spawn_follower(
+    config: EngineConfig, rank: int, addr: str, port: int, target: FollowerMain, with_pipe: bool
+) -> tuple[BaseProcess, Connection | None]:
+    """Start one rank process (`target(config bytes, rank, addr, port, pipe or None, log
+    level)`, a module-level function: spawn pickles it by name); with_pipe: the pipe
+    rank 0 writes its commands to."""
+    ctx = mp.get_context("spawn")
+    level = logging.getLogger("laneserve").getEffectiveLevel()
+    recv, send = ctx.Pipe(duplex=False) if with_pipe else (None, None)
+    p = ctx.Process(
+        target=target,
+        args=(msgspec.msgpack.encode(config), rank, addr, port, recv, level),
+        name=f"laneserve-rank{rank}",
+        daemon=True,
+    )
+    p.start()
+    if recv is not None:
+        recv.close()
+    return p, send
 
 
 def _watch(group: RankGroup) -> None:

@@ -1,0 +1,81 @@
+"""Step commands from rank 0 to every other rank over a torch.distributed group.
+
+With ranks on several machines there is no pipe to a remote rank, so rank 0 broadcasts
+each command on a gloo group of its own (apart from the model's collectives, which run
+on another thread of rank 0): first its length, then its bytes. A length of -1 is a
+heartbeat, sent when no command went out for `HEARTBEAT_S`: a rank that died on another
+machine fails the broadcast within about that time even when no request runs, so the
+worker's death (and /health) follow at once instead of at the next request. A length
+of 0 tells the ranks to stop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+HEARTBEAT_S = 1.0
+_BEAT = -1
+
+
+class CommandBroadcast:
+    """One gloo group carrying rank 0's commands; `send` on rank 0, `recv` elsewhere."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self._lock = threading.Lock()  # one broadcast at a time on rank 0
+        self._last = time.monotonic()
+        self._stopped = threading.Event()
+
+    def send(self, data: bytes) -> None:
+        """Rank 0: one command to every rank (b"" stops them). Raises when a rank is gone."""
+        with self._lock:
+            self._broadcast_length(len(data))
+            if data:
+                payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                dist.broadcast(payload, 0, group=self.group)
+            self._last = time.monotonic()
+
+    def recv(self) -> bytes:
+        """Ranks 1..N-1: the next command (heartbeats skipped); b"" means stop."""
+        while True:
+            n = torch.zeros(1, dtype=torch.int64)
+            dist.broadcast(n, 0, group=self.group)
+            size = int(n.item())
+            if size == _BEAT:
+                continue
+            if size == 0:
+                return b""
+            payload = torch.empty(size, dtype=torch.uint8)
+            dist.broadcast(payload, 0, group=self.group)
+            return payload.numpy().tobytes()
+
+    def start_heartbeat(self, on_failure: Callable[[BaseException], None]) -> None:
+        """Rank 0: a daemon thread that beats whenever no command went out for a while."""
+        threading.Thread(
+            target=self._beat, args=(on_failure,), name="rank-heartbeat", daemon=True
+        ).start()
+
+    def stop_heartbeat(self) -> None:
+        self._stopped.set()
+
+    def _beat(self, on_failure: Callable[[BaseException], None]) -> None:
+        while not self._stopped.wait(HEARTBEAT_S / 2):
+            if time.monotonic() - self._last < HEARTBEAT_S:
+                continue
+            try:
+                with self._lock:
+                    if self._stopped.is_set():
+                        return
+                    self._broadcast_length(_BEAT)
+                    self._last = time.monotonic()
+            except RuntimeError as e:  # gloo: a peer's connection closed
+                on_failure(e)
+                return
+
+    def _broadcast_length(self, n: int) -> None:
+        dist.broadcast(torch.tensor([n], dtype=torch.int64), 0, group=self.group)

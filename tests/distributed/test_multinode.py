@@ -1,0 +1,202 @@
+"""A model's ranks on two "machines": two launches on 127.0.0.1, node 0 serving the API
+(`--nnodes 2 --node-rank 0`) and node 1 running only its rank (`--headless`).
+
+Node 1's rank gets the step commands over a gloo group (no pipe crosses machines); a
+killed rank on node 1 fails the in-flight streams, /health goes 503 and comes back
+once node 1 has started its rank again and the worker on node 0 has restarted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from laneserve.config import EngineConfig, ModelConfig, ParallelConfig, WorkerConfig
+from laneserve.engine_args import EngineArgs
+from laneserve.worker.ranks import config_digest
+from tests.server.conftest import Server, free_port, start_server, stop_server, wait_for
+from tests.server.test_faults import HealthLog, _stream_events
+
+STREAM = {"model": "tiny", "prompt": "The old lighthouse", "max_tokens": 200, "ignore_eos": True}
+
+
+def _config(**parallel: object) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model="m"),
+        worker=WorkerConfig(mode="process"),
+        parallel=ParallelConfig(tensor_parallel_size=2, **parallel),  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("parallel", "message"),
+    [
+        ({"nnodes": 0}, "nnodes must be >= 1"),
+        ({"nnodes": 2, "node_rank": 2}, "node_rank must be in [0, nnodes - 1 = 1]"),
+        ({"nnodes": 2, "node_rank": -1}, "node_rank must be in"),
+        ({"nnodes": 3}, "does not divide over nnodes 3"),
+        ({"nnodes": 2, "master_port": 0}, "master_port must be a TCP port"),
+    ],
+)
+def test_bad_node_settings_are_refused(parallel: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        _config(**parallel).validate()
+
+
+def test_each_node_runs_its_own_ranks() -> None:
+    p = ParallelConfig(tensor_parallel_size=4, nnodes=2, node_rank=1)
+    assert p.ranks_per_node == 2 and list(p.node_ranks()) == [2, 3]
+    assert list(ParallelConfig(tensor_parallel_size=4).node_ranks()) == [0, 1, 2, 3]
+
+
+def test_nodes_compare_model_and_flags_not_their_own_settings() -> None:
+    head = _config(nnodes=2, node_rank=0)
+    node1 = _config(nnodes=2, node_rank=1)
+    node1 = msgspec.structs.replace(node1, worker=WorkerConfig(mode="process", lane_times=True))
+    assert config_digest(head) == config_digest(node1)
+    other = msgspec.structs.replace(node1, model=ModelConfig(model="m", dtype="bfloat16"))
+    assert config_digest(other) != config_digest(head)
+    assert config_digest(_config(nnodes=2, master_port=29502)) != config_digest(head)
+
+
+def test_the_flags_reach_the_config() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    flags = "--model m --tensor-parallel-size 2 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1"
+    ns = p.parse_args([*flags.split(), "--master-port", "29600", "--worker-mode", "process"])
+    par = EngineArgs.from_cli(ns).create_config().parallel
+    assert (par.nnodes, par.node_rank, par.master_addr, par.master_port) == (
+        2,
+        1,
+        "10.0.0.1",
+        29600,
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--headless"], "needs --nnodes > 1"),
+        (["--headless", "--nnodes", "2"], "for nodes 1..nnodes-1"),
+        (["--nnodes", "2", "--node-rank", "1"], "add --headless"),
+    ],
+)
+def test_node_roles_are_checked_before_anything_loads(
+    tiny_models: dict[str, Path], flags: list[str], message: str
+) -> None:
+    cmd = [sys.executable, "-m", "laneserve.entrypoints.cli", "serve", str(tiny_models["llama"])]
+    r = subprocess.run(
+        [*cmd, "--tensor-parallel-size", "2", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2 and message in r.stdout, (r.stdout, r.stderr)
+
+
+def _headless(model: Path, port: int, *extra: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "laneserve.entrypoints.cli", "serve", str(model), "--headless",
+        "--dtype", "float32", "--max-model-len", "256", "--tensor-parallel-size", "2",
+        "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+        "--master-port", str(port), *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _head(model: Path, port: int) -> Server:
+    flags = ("--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port))
+    return start_server(model, *flags)
+
+
+def _node_rank_pid(launcher: subprocess.Popen) -> int:
+    """Node 1's rank process (a spawned child of the headless launcher)."""
+    out = []
+    for task in Path(f"/proc/{launcher.pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"spawn_main" in cmdline:
+                out.append(int(pid))
+    assert len(out) == 1, out
+    return out[0]
+
+
+def _end(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.stdout.read() if proc.stdout else ""
+
+
+def _plain_greedy(model: Path, prompt: str) -> str:
+    from laneserve import LLM, SamplingParams
+
+    llm = LLM(str(model), dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    text = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    llm.shutdown()
+    return text
+
+
+@pytest.mark.slow  # two launches, two model loads, a rank restart
+def test_two_nodes_serve_and_a_killed_node_rank_is_a_worker_death(
+    tiny_models: dict[str, Path],
+) -> None:
+    model, port = tiny_models["llama"], free_port()
+    node1 = _headless(model, port)
+    head = None
+    try:
+        head = _head(model, port)
+        reference = head.greedy()
+        assert reference == _plain_greedy(model, "The old lighthouse stood at the end")
+        rank = _node_rank_pid(node1)
+        events: list[list[str]] = [[] for _ in range(2)]
+        started = [threading.Event() for _ in range(2)]
+        threads = [
+            threading.Thread(target=_stream_events, args=(head, events[i], started[i], STREAM))
+            for i in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for ev in started:
+            assert ev.wait(120), "the streams did not start"
+        health = HealthLog(head)
+        os.kill(rank, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        for ev in events:
+            assert ev[-1] == "[DONE]"
+            error = json.loads(ev[-2])["error"]
+            assert "worker" in error["message"] and "died" in error["message"], error
+        wait_for(lambda: 503 in health.seen and health.seen[-1] == 200, "health 503, then 200")
+        health.close()
+        assert _node_rank_pid(node1) != rank  # node 1 started its rank again
+        assert head.greedy() == reference
+        assert httpx.get(f"{head.url}/health").status_code == 200
+    finally:
+        if head is not None:
+            stop_server(head)
+        _end(node1)
+
+
+@pytest.mark.slow  # two launches
+def test_a_node_with_other_flags_is_refused(tiny_models: dict[str, Path]) -> None:
+    model, port = tiny_models["llama"], free_port()
+    node1 = _headless(model, port, "--block-size", "8")
+    try:
+        with pytest.raises(RuntimeError, match="other flags than rank 0"):
+            _head(model, port)
+        assert node1.wait(120) == 2
+        assert "other flags" in (node1.stdout.read() if node1.stdout else "")
+    finally:
+        _end(node1)
