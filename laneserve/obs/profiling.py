@@ -20,7 +20,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-# Thread ids of each role's lanes start here; roles not listed use OTHER_TID_BASE.
+# Thread ids of each role's lanes start here ("worker-rank1" is a "worker"); roles not
+# listed use OTHER_TID_BASE.
 ROLE_TID_BASE = {"engine": 100, "worker": 200}
 OTHER_TID_BASE = 900
 
@@ -33,7 +34,7 @@ class Tracer:
         self._events: list[dict] = []
         self._lock = threading.Lock()
         self._tids: dict[str, int] = {}
-        self._tid_base = ROLE_TID_BASE.get(role, OTHER_TID_BASE)
+        self._tid_base = ROLE_TID_BASE.get(role.split("-")[0], OTHER_TID_BASE)
 
     @contextlib.contextmanager
     def _record(self, name: str, lane: str, args: dict) -> Iterator[None]:
@@ -96,3 +97,9 @@ class Tracer:
 
 
 NULL_TRACER = Tracer(None)
+
+
+def worker_role(rank: int) -> str:
+    """The trace role of a worker rank: "worker" for rank 0 (the only one without tensor
+    parallelism), "worker-rankK" for the others (`trace_analysis.rank_of`)."""
+    return "worker" if rank == 0 else f"worker-rank{rank}"

@@ -33,7 +33,7 @@ from laneserve.model.interface import PAGED, TOKEN_TABLES, CausalLM, DraftHead
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
 from laneserve.model.registry import dtype_bytes, family_for, open_weights
 from laneserve.obs.lane_times import LaneClock
-from laneserve.obs.profiling import Tracer
+from laneserve.obs.profiling import Tracer, worker_role
 from laneserve.protocol import (
     CacheGroupInfo,
     StepCommand,
@@ -79,12 +79,12 @@ class Worker:
     def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
         start = time.perf_counter()
         self.config = config
-        self.tracer = Tracer(config.worker.profile_dir, role="worker")
+        self.group = group
+        self.tp = group.tp if group is not None else SINGLE
+        self.tracer = Tracer(config.worker.profile_dir, role=worker_role(self.tp.rank))
         self.lane_clock = LaneClock(config.worker.lane_times)
         if config.worker.num_threads:
             torch.set_num_threads(config.worker.num_threads)
-        self.group = group
-        self.tp = group.tp if group is not None else SINGLE
         self.device = rank_device(resolve_device(config.model.device), self.tp.rank)
         self.ckpt: Checkpoint = resolve_checkpoint(
             config.model.model, config.model.dtype, self.device, config.model.gguf_weights
