@@ -300,7 +300,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 "tensor_parallel_size > 1 runs in worker processes (worker mode 'process')"
             )
-        if p.tensor_parallel_size > 1 and self.speculative is not None:
+        if p.tensor_parallel_size > 1 and self.speculative and self.speculative.tree:
             raise ValueError(
-                "speculative decoding with tensor_parallel_size > 1 is not supported yet"
+                "speculative_token_tree with tensor_parallel_size > 1 is not supported yet "
+                "(chains of drafts are: n-gram, and MTP where the family's draft head is sharded)"
             )

@@ -46,6 +46,8 @@ class ModelFamily:
     # what tensor parallelism splits (name -> size; each must divide by the TP size);
     # None: the family has no tensor-parallel model yet
     parallel_sizes: Callable[[ArchConfig], dict[str, int]] | None = None
+    # its MTP draft head shards with the model (speculative method "mtp" with TP > 1)
+    parallel_mtp: bool = False
 
 
 def _llama_mtp(
@@ -108,6 +110,7 @@ FAMILIES = (
         _deepseek_v4_mtp,
         supports_side_rows=False,
         parallel_sizes=deepseek_v4_parallel_sizes,
+        parallel_mtp=True,
     ),
 )
 

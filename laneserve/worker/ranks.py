@@ -36,10 +36,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from laneserve.config import EngineConfig
+from laneserve.config import EngineConfig, SpeculativeConfig
 from laneserve.distributed.parallel_state import TensorParallel
 from laneserve.model.arch import ArchConfig
-from laneserve.model.registry import ModelFamily
+from laneserve.model.registry import FAMILIES, ModelFamily
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +84,27 @@ class RankGroup:
             dist.destroy_process_group()
 
 
-def check_supported(family: ModelFamily, arch: ArchConfig, size: int, gguf: bool) -> None:
+def check_supported(
+    family: ModelFamily,
+    arch: ArchConfig,
+    size: int,
+    gguf: bool,
+    spec: SpeculativeConfig | None = None,
+) -> None:
     """ValueError, before anything loads, for what tensor parallelism does not cover."""
     if family.parallel_sizes is None:
+        have = ", ".join(f.name for f in FAMILIES if f.parallel_sizes is not None)
         raise ValueError(
             f"tensor_parallel_size {size}: the {family.name} family has no tensor-parallel "
-            "model yet (supported: the llama family)"
+            f"model yet (supported families: {have})"
         )
     if gguf:
         raise ValueError(f"tensor_parallel_size {size}: GGUF-quantized weights cannot be sharded")
+    if spec is not None and spec.method == "mtp" and not family.parallel_mtp:
+        raise ValueError(
+            f"tensor_parallel_size {size}: the {family.name} family's MTP draft head is not "
+            'sharded yet; use "method": "ngram" or tensor_parallel_size 1'
+        )
     for what, n in family.parallel_sizes(arch).items():
         TensorParallel(0, size).split(n, what)
 

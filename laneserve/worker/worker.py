@@ -102,7 +102,8 @@ class Worker:
         store = open_weights(self.ckpt, self.device, self.act_dtype)
         self.family = family_for(arch)
         if self.tp.size > 1:
-            check_supported(self.family, arch, self.tp.size, store.quantized is not None)
+            quantized = store.quantized is not None
+            check_supported(self.family, arch, self.tp.size, quantized, config.speculative)
         self.model, self.mtp = self._load_model(store)
         self.block_size = config.cache.block_size
         self.groups = self._cache_groups()

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from laneserve import LLM
+from laneserve.config import SpeculativeConfig
 from laneserve.distributed.parallel_state import ShardingError, TensorParallel
+from laneserve.engine_args import EngineArgs
 from laneserve.kernels import get_kernels
 from laneserve.model.arch import ArchConfig
 from laneserve.model.deepseek_v4.model import DeepseekV4Model, cache_groups
@@ -24,6 +26,8 @@ from laneserve.worker.ranks import check_supported
 from tests.distributed.test_tensor_parallel import _free_port
 from tests.distributed.v4_ranks import run_v4_rank, v4_logits
 from tests.e2e.test_tiny_models import mixed_prompts, run
+from tests.models.test_deepseek_mtp import _spec
+from tests.models.test_deepseek_v4 import GREEDY, prompts_of
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +44,15 @@ def release_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("tpv4release")
     return build_release_v4(root / "release", root / "reference", seed=3)[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_v4_mtp(tiny_v4: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny V4 in the release layout with a random `mtp.0` layer (drafts rejected often)."""
+    from tests.models.tiny_deepseek_v4 import add_v4_mtp_layer, to_release_layout
+
+    release = to_release_layout(tiny_v4, tmp_path_factory.mktemp("tpv4mtp") / "r")
+    return add_v4_mtp_layer(release, seed=7)
 
 
 def _run_ranks(model_dir: Path, prompt_len: int, out: Path, size: int = 2) -> list[dict]:
@@ -159,3 +172,51 @@ def test_engine_two_ranks_generate_what_one_device_does(tiny_v4: Path) -> None:
             async_scheduling=async_scheduling,
         ) as llm:
             assert run(llm, prompts) == want
+
+
+def test_the_mtp_head_shards_with_the_model(tiny_v4: Path) -> None:
+    """MTP speculation with N > 1 is taken for V4 (its layer is split as the target's);
+    a family whose draft head is not sharded is refused before anything loads."""
+    v4 = next(f for f in FAMILIES if f.name == "deepseek_v4")
+    llama = next(f for f in FAMILIES if f.name == "llama")
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2)
+    check_supported(v4, _arch(tiny_v4), 2, False, spec)
+    with pytest.raises(ValueError, match="llama family's MTP draft head is not sharded"):
+        check_supported(llama, None, 2, False, spec)  # type: ignore[arg-type]
+    tree = {"method": "mtp", "speculative_token_tree": "[(0,), (1,), (2,)]"}
+    with pytest.raises(ValueError, match="speculative_token_tree with tensor_parallel_size > 1"):
+        EngineArgs(
+            model="m", tensor_parallel_size=2, worker_mode="process", speculative_config=tree
+        ).create_config()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exact", [False, True])
+def test_engine_mtp_drafts_on_two_ranks(tiny_v4_mtp: Path, tmp_path: Path, exact: bool) -> None:
+    """k = 2 MTP drafts, async, on two ranks: one device's plain greedy tokens, batched
+    with different prompt lengths. The random MTP layer's drafts are often rejected;
+    the exact one's (a layer copying the deciding layer) are all accepted."""
+    from tests.models.tiny_deepseek_v4 import build_exact_deepseek_v4_mtp
+
+    model = (
+        build_exact_deepseek_v4_mtp(tmp_path / "exact", inert_layers=3) if exact else tiny_v4_mtp
+    )
+    prompts = prompts_of([37, 9, 22], seed=11)
+    with LLM(str(model), dtype="float32") as llm:
+        want = run(llm, prompts, GREEDY)
+    with LLM(
+        str(model),
+        dtype="float32",
+        tensor_parallel_size=2,
+        worker_mode="process",
+        async_scheduling=True,
+        **_spec(2),
+    ) as llm:
+        got = run(llm, prompts, GREEDY)
+        stats = llm.get_stats()
+    assert got == want
+    assert stats["spec_num_drafts"] > 0
+    if exact:
+        assert stats["spec_num_accepted"] == stats["spec_num_drafts"]
+    else:
+        assert stats["spec_num_accepted"] < stats["spec_num_drafts"]
