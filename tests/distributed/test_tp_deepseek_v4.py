@@ -153,6 +153,16 @@ def test_a_rank_refuses_to_load_a_split_that_does_not_divide(tiny_v4: Path) -> N
         )
 
 
+@pytest.mark.slow
+def test_engine_refuses_one_output_group_on_two_ranks(tmp_path: Path) -> None:
+    """An LLM start with a split that does not divide fails with the sizes named."""
+    from tests.models.tiny_deepseek_v4 import build_tiny_deepseek_v4
+
+    d = build_tiny_deepseek_v4(tmp_path / "one-group", seed=1, o_groups=1)
+    with pytest.raises(ValueError, match=r"2 does not divide the model's output groups"):
+        LLM(str(d), dtype="float32", tensor_parallel_size=2, worker_mode="process")
+
+
 def test_a_rank_caches_what_one_device_does(tiny_v4: Path) -> None:
     arch = _arch(tiny_v4)
     assert cache_groups(arch, 16, 4, 1, 2) == cache_groups(arch, 16, 4, 1)
