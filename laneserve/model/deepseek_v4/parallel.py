@@ -1,13 +1,14 @@
 """Tensor parallelism of DeepSeek V4 (docs/distributed.md): which slice a rank loads.
 
-Rank r of N holds (the splits of DeepSeek's own V4 inference code, the indexer
-replicated as vLLM's V4 model does):
+Rank r of N holds (heads and output groups split as DeepSeek's own V4 inference code
+does, the indexer replicated as vLLM's sparse-attention indexer is):
 ```
  attention  query heads [r H/N, (r+1) H/N): wq_b rows, attn_sink entries, and the
             output groups [r G/N, (r+1) G/N) those heads form: wo_a rows, wo_b
             columns (all-reduce after wo_b)
             wq_a, q_norm, wkv, kv_norm, compressors, indexer: whole, so every rank
-            computes (and caches) the one K = V head and the compressed entries
+            computes (and caches) the one K = V head every query head reads, the
+            compressed entries and the indexer's top-k (one score over all its heads)
  MoE        features [r I/N, (r+1) I/N) of every routed expert and of the shared
             expert: w1 / w3 rows, w2 columns; routed + shared partial sums added on
             the rank, then one all-reduce; the gate (bias, tid2eid) whole, in fp32
