@@ -230,3 +230,24 @@ def test_engine_mtp_drafts_on_two_ranks(tiny_v4_mtp: Path, tmp_path: Path, exact
         assert stats["spec_num_accepted"] == stats["spec_num_drafts"]
     else:
         assert stats["spec_num_accepted"] < stats["spec_num_drafts"]
+
+
+@pytest.mark.slow
+def test_engine_ngram_drafts_on_two_ranks(tiny_v4: Path) -> None:
+    """k = 2 n-gram drafts, async, on two ranks: one device's plain greedy tokens."""
+    prompts = [p * 3 for p in mixed_prompts(3, seed=13, lo=4, hi=8)]  # repeats: lookups hit
+    with LLM(str(tiny_v4), dtype="float32") as llm:
+        want = run(llm, prompts, GREEDY)
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with LLM(
+        str(tiny_v4),
+        dtype="float32",
+        tensor_parallel_size=2,
+        worker_mode="process",
+        async_scheduling=True,
+        speculative_config=spec,
+    ) as llm:
+        got = run(llm, prompts, GREEDY)
+        stats = llm.get_stats()
+    assert got == want
+    assert stats["spec_num_drafts"] > 0, stats
