@@ -333,5 +333,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if p.tensor_parallel_size > 1 and self.speculative and self.speculative.tree:
             raise ValueError(
                 "speculative_token_tree with tensor_parallel_size > 1 is not supported yet "
-                "(chains of drafts are: n-gram, and MTP for the DeepSeek V3 family)"
+                "(chains of drafts are: n-gram, and MTP where the family's draft head is sharded)"
             )

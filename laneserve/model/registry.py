@@ -22,6 +22,7 @@ from laneserve.model.deepseek import model as deepseek
 from laneserve.model.deepseek.mtp import load_deepseek_mtp
 from laneserve.model.deepseek_v4 import model as deepseek_v4
 from laneserve.model.deepseek_v4.mtp import load_deepseek_v4_mtp
+from laneserve.model.deepseek_v4.parallel import parallel_sizes as deepseek_v4_parallel_sizes
 from laneserve.model.llama import model as llama
 from laneserve.model.llama.mtp import load_mtp_head
 from laneserve.model.loader import Checkpoint, WeightStore
@@ -110,6 +111,8 @@ FAMILIES = (
         deepseek_v4.weight_shapes,
         _deepseek_v4_mtp,
         supports_side_rows=False,
+        parallel_sizes=deepseek_v4_parallel_sizes,
+        parallel_mtp=True,
     ),
 )
 

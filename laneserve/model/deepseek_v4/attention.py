@@ -2,7 +2,9 @@
 
 One K = V head per token (`wkv`, normed, rope on its trailing `rope_dim` channels),
 query heads from a q LoRA with an unweighted per-head RMSNorm, a learned sink logit per
-head, the inverse rope on the output and a grouped low-rank output projection.
+head, the inverse rope on the output and a grouped low-rank output projection. Under
+tensor parallelism a rank holds its query heads and their output groups
+(`deepseek_v4/parallel.py`); the K = V head, compressors and indexer are whole.
 
 Each query at position q attends to
 ```
@@ -31,6 +33,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import Kernels
 from laneserve.model.deepseek_v4.caches import LayerCaches
 from laneserve.model.deepseek_v4.compressor import (
@@ -41,8 +44,10 @@ from laneserve.model.deepseek_v4.compressor import (
 )
 from laneserve.model.deepseek_v4.config import SLIDING, DeepseekV4Params
 from laneserve.model.deepseek_v4.ops import InterleavedRope, Norm, rms_unweighted
+from laneserve.model.deepseek_v4.parallel import GROUPS, HEADS, cols, rows
 from laneserve.model.layers.attention import TokenTableMetadata
 from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.parallel import RowParallelLinear
 from laneserve.model.layers.weights import WeightGetter
 
 PREFILL_QUERY_BLOCK = 128  # queries of one prefill row sharing one gather of keys
@@ -58,27 +63,33 @@ class V4Attention:
         layer_type: str,
         rope: InterleavedRope,
         eps: float,
+        num_heads: int,  # the model's query heads (a rank holds num_heads / tp.size)
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.p, self.layer_type, self.rope, self.eps = p, layer_type, rope, eps
-        self.heads = get(f"{prefix}.wq_b.weight").shape[0] // p.head_dim
+        d, r = p.head_dim, p.o_lora_rank
+        self.heads = num_heads // tp.size  # this rank's heads, and their output groups
+        self.groups = p.o_groups // tp.size
 
         def lin(name: str) -> Linear:
             return Linear(kernels, get(f"{prefix}.{name}.weight"), None)
 
-        self.wq_a, self.wq_b, self.wkv, self.wo_b = (
-            lin("wq_a"),
-            lin("wq_b"),
-            lin("wkv"),
-            lin("wo_b"),
-        )
+        self.wq_a, self.wkv = lin("wq_a"), lin("wkv")
+        wq_b = rows(get, f"{prefix}.wq_b.weight", num_heads, d, HEADS, tp)
+        self.wq_b = Linear(kernels, wq_b, None)
+        wo_b = cols(get, f"{prefix}.wo_b.weight", p.o_groups, r, GROUPS, tp)
+        self.wo_b: Linear | RowParallelLinear = Linear(kernels, wo_b, None)
+        if tp.size > 1:
+            self.wo_b = RowParallelLinear(self.wo_b, tp)
         self.q_norm = Norm(get(f"{prefix}.q_norm.weight", torch.float32), eps)
         # released: `attn.kv_norm`; transformers' save_pretrained writes `attn.norm`
         kv_norm = "norm" if prefix.startswith("model.") else "kv_norm"
         self.kv_norm = Norm(get(f"{prefix}.{kv_norm}.weight", torch.float32), eps)
-        wo_a = get(f"{prefix}.wo_a.weight")  # [G * R, H * D / G]
-        self.wo_a = wo_a.view(p.o_groups, p.o_lora_rank, -1)  # [G, R, H * D / G]
-        self.sinks = get(f"{prefix}.attn_sink", torch.float32)  # [H]
-        self.scale = p.head_dim**-0.5
+        wo_a = rows(get, f"{prefix}.wo_a.weight", p.o_groups, r, GROUPS, tp)  # [G R, H D / G]
+        self.wo_a = wo_a.view(self.groups, r, -1)  # [G, R, H * D / G]
+        self.sinks = rows(get, f"{prefix}.attn_sink", num_heads, 1, HEADS, tp, torch.float32)
+        assert self.sinks.shape == (self.heads,) and wq_b.shape[0] == self.heads * d
+        self.scale = d**-0.5
         self.compressor = None
         if layer_type != SLIDING:
             self.compressor = Compressor(p, kernels, get, prefix, layer_type, rope, eps)
@@ -111,7 +122,7 @@ class V4Attention:
         ]
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, D]
         o = self.rope(o, positions, inverse=True)
-        grouped = o.reshape(t, p.o_groups, -1)
+        grouped = o.reshape(t, self.groups, -1)
         y = (
             torch.einsum("tgi,gri->tgr", grouped.to(self.wo_a.dtype), self.wo_a)
             .reshape(t, -1)

@@ -9,6 +9,10 @@ Weights: transformers' `save_pretrained` names (`model.layers.N.attn.wq_a.weight
 `model.embed_tokens.weight`, `model.hc_head.hc_fn`, `head.weight`) or the release names
 (no `model.` prefix, `embed.weight`, `hc_head_fn`).
 
+With tensor parallelism (`tp`) a rank loads its slices (`deepseek_v4/parallel.py`):
+query heads and output groups, every expert's features, vocabulary rows; a layer
+costs two all-reduces (after wo_b, after the MoE), as a Llama layer does.
+
 Cache groups (one block size in tokens; see docs/models.md for the picture):
 ```
  swa        sliding_window  every layer   K = V per token               keeps W
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import Kernels
 from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.arch import ArchConfig
@@ -34,9 +39,11 @@ from laneserve.model.deepseek_v4.caches import LayerCaches
 from laneserve.model.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Params
 from laneserve.model.deepseek_v4.moe import V4MoE
 from laneserve.model.deepseek_v4.ops import HyperConnection, HyperHead, InterleavedRope, Norm
+from laneserve.model.deepseek_v4.parallel import VOCAB
 from laneserve.model.interface import TOKEN_TABLES
 from laneserve.model.layers.attention import TokenTableMetadata
 from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.parallel import ParallelLMHead, VocabParallelEmbedding, load_shard
 from laneserve.model.layers.weights import WeightGetter
 
 
@@ -103,10 +110,11 @@ class V4Layer:
         layer_type: str,
         hashed: bool,
         rope: InterleavedRope,
+        tp: TensorParallel = SINGLE,
     ) -> None:
-        p, eps = _params(arch), arch.rms_norm_eps
-        self.attn = V4Attention(p, kernels, get, f"{prefix}.attn", layer_type, rope, eps)
-        self.ffn = V4MoE(p, kernels, get, f"{prefix}.ffn", hashed)
+        p, eps, a = _params(arch), arch.rms_norm_eps, f"{prefix}.attn"
+        self.attn = V4Attention(p, kernels, get, a, layer_type, rope, eps, arch.num_heads, tp)
+        self.ffn = V4MoE(p, kernels, get, f"{prefix}.ffn", hashed, tp)
         self.attn_norm = Norm(get(f"{prefix}.attn_norm.weight", torch.float32), eps)
         self.ffn_norm = Norm(get(f"{prefix}.ffn_norm.weight", torch.float32), eps)
         n, it, he = p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps
@@ -146,11 +154,11 @@ class DeepseekV4Model:
         device: torch.device,
         act_dtype: torch.dtype,
         max_positions: int,
+        tp: TensorParallel = SINGLE,  # this rank's view of its tensor-parallel group
     ) -> None:
         p = _params(arch)
-        self.arch, self.kernels, self.act_dtype, self.p = arch, kernels, act_dtype, p
+        self.arch, self.kernels, self.act_dtype, self.p, self.tp = arch, kernels, act_dtype, p, tp
         names = _Names(get)
-        self.embed_tokens = get(names.embed)
         ropes = {
             SLIDING: InterleavedRope(p.main_rope, p.rope_dim, max_positions, device),
             "compress": InterleavedRope(p.compress_rope, p.rope_dim, max_positions, device),
@@ -165,6 +173,7 @@ class DeepseekV4Model:
                 t,
                 p.mlp_layer_types[i] == "hash_moe",
                 ropes[SLIDING if t == SLIDING else "compress"],
+                tp,
             )
             for i, t in enumerate(p.layer_types)
         ]
@@ -175,8 +184,20 @@ class DeepseekV4Model:
             p.hc_eps,
         )
         self.norm = Norm(get(f"{names.root}norm.weight", torch.float32), arch.rms_norm_eps)
-        self.lm_head = Linear(kernels, get("head.weight"), None)
+        self._load_vocab(get, names.embed, tp)
         self.plan = group_plan(p)
+
+    def _load_vocab(self, get: WeightGetter, embed: str, tp: TensorParallel) -> None:
+        """The embedding and the head: whole, or this rank's vocabulary rows of them."""
+        self.vocab_embed: VocabParallelEmbedding | None = None
+        if tp.size == 1:
+            self.embed_tokens = get(embed)
+            self.lm_head: Linear | ParallelLMHead = Linear(self.kernels, get("head.weight"), None)
+            return
+        start, n = tp.split(self.arch.vocab_size, VOCAB)
+        self.embed_tokens = load_shard(get, embed, 0, start, n)
+        self.vocab_embed = VocabParallelEmbedding(self.embed_tokens, start, tp)
+        self.lm_head = ParallelLMHead(self.kernels, load_shard(get, "head.weight", 0, start, n), tp)
 
     def layer_caches(self, caches: list[list[tuple[torch.Tensor, ...]]]) -> list[LayerCaches]:
         """Per model layer: its tensors in the groups it belongs to."""
@@ -194,6 +215,8 @@ class DeepseekV4Model:
         return out
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_embed is not None:  # this rank's rows, all-reduced
+            return self.vocab_embed(input_ids).to(self.act_dtype)
         return F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
 
     def forward(
@@ -215,10 +238,12 @@ class DeepseekV4Model:
 
 
 def cache_groups(
-    arch: ArchConfig, block_size: int, dtype_bytes: int, mtp_layers: int
+    arch: ArchConfig, block_size: int, dtype_bytes: int, mtp_layers: int, tp_size: int = 1
 ) -> list[CacheGroupSpec]:
     """The groups of `group_plan` (a compressed group's block holds `block_size` entries),
-    then the MTP layer's sliding window of K = V entries."""
+    then the MTP layer's sliding window of K = V entries. The same on every
+    tensor-parallel rank (`tp_size`): the single K = V head, the compressors' state and
+    the compressed entries are whole on each (`deepseek_v4/parallel.py`)."""
     p = _params(arch)
     groups = [
         CacheGroupSpec(

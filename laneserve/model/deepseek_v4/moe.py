@@ -6,6 +6,8 @@ only selects); a `hash_moe` layer takes them from `tid2eid[token id]`. Either wa
 weights are the chosen experts' unbiased scores, normalised to sum to 1, times
 `routed_scaling_factor`. Experts run grouped by expert (on the host or the device, as
 in `layers/moe.py`), results summed per token in expert order (as transformers adds them).
+Under tensor parallelism a rank holds every expert's share of the features
+(`deepseek_v4/parallel.py`) and all-reduces routed + shared once per layer.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import Kernels
 from laneserve.model.arch import UnsupportedModelError
 from laneserve.model.deepseek_v4.config import DeepseekV4Params
+from laneserve.model.deepseek_v4.parallel import FEATURES, cols, rows
 from laneserve.model.layers.linear import Linear
 from laneserve.model.layers.moe import StackedExperts, grouped_experts
 from laneserve.model.layers.weights import WeightGetter
@@ -28,11 +32,22 @@ _SCORES = {
 
 
 class _Expert:
-    def __init__(self, kernels: Kernels, get: WeightGetter, stem: str, limit: float) -> None:
-        w13 = torch.cat([get(f"{stem}.w1.weight"), get(f"{stem}.w3.weight")])
-        self.w13 = Linear(kernels, w13, None)
-        self.w2 = Linear(kernels, get(f"{stem}.w2.weight"), None)
-        self.kernels, self.limit = kernels, limit
+    """One SwiGLU expert; under tensor parallelism this rank's features of it: w1 / w3
+    rows, w2 columns (its output is a partial sum)."""
+
+    def __init__(
+        self,
+        kernels: Kernels,
+        get: WeightGetter,
+        stem: str,
+        p: DeepseekV4Params,
+        tp: TensorParallel,
+    ) -> None:
+        inter = p.moe_intermediate_size
+        w1, w3 = (rows(get, f"{stem}.{w}.weight", inter, 1, FEATURES, tp) for w in ("w1", "w3"))
+        self.w13 = Linear(kernels, torch.cat([w1, w3]), None)
+        self.w2 = Linear(kernels, cols(get, f"{stem}.w2.weight", inter, 1, FEATURES, tp), None)
+        self.kernels, self.limit = kernels, p.swiglu_limit
 
     def __call__(self, x: torch.Tensor, first_prefill: int | None = None) -> torch.Tensor:
         h = self.kernels.silu_and_mul(self.w13(x, first_prefill), self.limit)
@@ -41,21 +56,26 @@ class _Expert:
 
 class V4MoE:
     def __init__(
-        self, p: DeepseekV4Params, kernels: Kernels, get: WeightGetter, prefix: str, hashed: bool
+        self,
+        p: DeepseekV4Params,
+        kernels: Kernels,
+        get: WeightGetter,
+        prefix: str,
+        hashed: bool,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         if p.scoring_func not in _SCORES:
             raise UnsupportedModelError(f"V4 scoring_func {p.scoring_func!r} is not supported")
-        self.p, self.score = p, _SCORES[p.scoring_func]
+        self.p, self.score, self.tp = p, _SCORES[p.scoring_func], tp
         self.gate = get(f"{prefix}.gate.weight", torch.float32)  # [E, H]
         self.bias = None if hashed else get(f"{prefix}.gate.bias", torch.float32)
         self.tid2eid = get(f"{prefix}.gate.tid2eid", torch.int64) if hashed else None
-        limit = p.swiglu_limit
         self.experts = [
-            _Expert(kernels, get, f"{prefix}.experts.{e}", limit) for e in range(p.n_routed_experts)
+            _Expert(kernels, get, f"{prefix}.experts.{e}", p, tp) for e in range(p.n_routed_experts)
         ]
-        self.shared = _Expert(kernels, get, f"{prefix}.shared_experts", limit)
+        self.shared = _Expert(kernels, get, f"{prefix}.shared_experts", p, tp)
         self.stacked = StackedExperts.build(
-            kernels, [e.w13 for e in self.experts], [e.w2 for e in self.experts], limit
+            kernels, [e.w13 for e in self.experts], [e.w2 for e in self.experts], p.swiglu_limit
         )
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,10 +98,12 @@ class V4MoE:
     ) -> torch.Tensor:
         weights, chosen = self.route(x, ids)
         if self.stacked is not None:
-            return self.stacked(x, weights, chosen) + self.shared(x, first_prefill)
+            routed = self.stacked(x, weights, chosen)
+        else:
 
-        def expert(e: int, rows: torch.Tensor, first: int | None) -> torch.Tensor:
-            return self.experts[e](rows, first)
+            def expert(e: int, rows: torch.Tensor, first: int | None) -> torch.Tensor:
+                return self.experts[e](rows, first)
 
-        routed = grouped_experts(x, weights, chosen, expert, first_prefill)
-        return routed + self.shared(x, first_prefill)
+            routed = grouped_experts(x, weights, chosen, expert, first_prefill)
+        # one all-reduce (a no-op on one rank) of this rank's routed + shared partial sums
+        return self.tp.all_reduce(routed + self.shared(x, first_prefill))

@@ -10,6 +10,9 @@ streams of its own:
 
 `s'` feeds the next depth, as the V3 layer's normed output does. The head's cache
 group (`"mtp"`) is a sliding window of K = V entries, like the target's `swa` group.
+Under tensor parallelism the block is split as the target's layers are (its heads,
+output groups and expert features; `deepseek_v4/parallel.py`), e_proj / h_proj and the
+norms are whole, and the embedding and head are the target's vocabulary-parallel ones.
 The head has the interface of every draft head (`model/interface.py`'s `DraftHead`); its
 step kind is `token_tables`: V4 attention reads a block table per token
 (`interface.single_group_tables`), not the paged-attention metadata of the other families.
@@ -50,7 +53,8 @@ class DeepseekV4MtpHead:
         self.hnorm = Norm(get(f"{PREFIX}.hnorm.weight", torch.float32), eps)
         self.e_proj = Linear(kernels, get(f"{PREFIX}.e_proj.weight"), None)
         self.h_proj = Linear(kernels, get(f"{PREFIX}.h_proj.weight"), None)
-        self.layer = V4Layer(arch, kernels, get, PREFIX, SLIDING, False, base.main_rope)
+        rope = base.main_rope
+        self.layer = V4Layer(arch, kernels, get, PREFIX, SLIDING, False, rope, base.tp)
         self.hc_head = HyperHead(
             get(f"{PREFIX}.hc_head_fn", torch.float32),
             get(f"{PREFIX}.hc_head_base", torch.float32),
