@@ -9,6 +9,8 @@ MoE with shared experts (`layers/moe.py`). The paged cache has one MLA latent gr
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from laneserve.kernels import Kernels
@@ -43,7 +45,7 @@ class DeepseekLayer:
         dense: bool,
     ) -> None:
         eps = arch.rms_norm_eps
-        self.attn = MlaAttention(arch, kernels, get, prefix, rotary)
+        self.attn = self.attention(arch, kernels, get, prefix, rotary)
         m = f"{prefix}.mlp"
         if dense:
             gate_up = torch.cat([get(f"{m}.gate_proj.weight"), get(f"{m}.up_proj.weight")])
@@ -52,6 +54,11 @@ class DeepseekLayer:
             self.mlp = MoE(_params(arch), kernels, get, m)
         self.input_norm = RMSNorm(kernels, get(f"{prefix}.input_layernorm.weight"), eps)
         self.post_norm = RMSNorm(kernels, get(f"{prefix}.post_attention_layernorm.weight"), eps)
+
+    def attention(
+        self, arch: ArchConfig, kernels: Kernels, get: WeightGetter, prefix: str, rotary: MlaRotary
+    ) -> Any:  # called as (positions, hidden, cache, meta) -> [T, H]
+        return MlaAttention(arch, kernels, get, prefix, rotary)
 
     def __call__(
         self,
@@ -70,6 +77,7 @@ class DeepseekModel(DecoderStack):
     """forward(ids, positions, meta, caches) -> (normed hidden, pre-norm hidden)."""
 
     supports_async_prepare = True  # inputs are resolved on the device, as for Llama
+    layer_class: type[DeepseekLayer] = DeepseekLayer
 
     def __init__(
         self,
@@ -92,7 +100,7 @@ class DeepseekModel(DecoderStack):
             act_dtype,
         )
         self.layers = [
-            DeepseekLayer(
+            self.layer_class(
                 arch, kernels, get, f"model.layers.{i}", self.rotary, i < p.first_k_dense_replace
             )
             for i in range(arch.num_layers)
