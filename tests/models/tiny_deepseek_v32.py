@@ -147,3 +147,89 @@ def build_tiny_deepseek_v32(out: Path, *, seed: int = 0, **overrides: object) ->
         raise AssertionError(f"not the released names: {sorted(set(state) ^ release_names(cfg))}")
     save_file(state, str(out / "model.safetensors"))
     return out
+
+
+# the release's `quantization_config` (FP8 e4m3, power-of-two scales per 128 x 128 block)
+RELEASE_FP8 = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
+}
+# released tensors kept unquantized (bf16; the gate's correction bias fp32)
+_PLAIN = ("norm", "layernorm", "embed_tokens", "lm_head", "gate.weight", "weights_proj", "head")
+
+
+def write_release_layout(src: Path, out: Path, *, seed: int = 1) -> Path:
+    """`src` as DeepSeek ships V3.2: projections FP8 with `weight_scale_inv`, the rest bf16
+    (`e_score_correction_bias` fp32), the MTP layer `model.layers.{L}` (random, with its
+    indexer), two shards and `model.safetensors.index.json`."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    state = load_file(str(src / "model.safetensors"))
+    state |= _mtp_layer(state, cfg, seed)
+    out.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    cfg |= {"num_nextn_predict_layers": 1, "quantization_config": RELEASE_FP8}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in state.items():
+        if name.endswith("e_score_correction_bias"):
+            tensors[name] = w.float()
+        elif w.dim() == 2 and not any(p in name for p in _PLAIN):
+            tensors[name], tensors[f"{name}_scale_inv"] = _fp8_blocks(w.float())
+        else:
+            tensors[name] = w.to(torch.bfloat16)
+    names = sorted(tensors)
+    index = {}
+    for k, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        file = f"model-{k + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, str(out / file))
+        index |= dict.fromkeys(part, file)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    return out
+
+
+def _fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, fp32 power-of-two scale per block) encoding `w` approximately."""
+    rows, cols = w.shape
+    grid = (-(-rows // block), -(-cols // block))
+    scale = torch.empty(grid)
+    q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            r, c = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
+            amax = float(w[r, c].abs().max().clamp(min=1e-12))
+            scale[i, j] = 2.0 ** torch.ceil(torch.log2(torch.tensor(amax / 448.0)))
+            q[r, c] = (w[r, c] / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _mtp_layer(state: dict[str, torch.Tensor], cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """A random MTP layer `model.layers.{L}`: a MoE decoder layer shaped like the last one
+    (indexer included) plus `embed_tokens`, `enorm`, `hnorm`, `eh_proj`, `shared_head`."""
+    g = torch.Generator().manual_seed(seed)
+    last, mtp = cfg["num_hidden_layers"] - 1, cfg["num_hidden_layers"]
+    layer = {
+        k.replace(f"model.layers.{last}.", f"model.layers.{mtp}."): torch.randn(
+            v.shape, generator=g
+        )
+        * 0.05
+        for k, v in state.items()
+        if k.startswith(f"model.layers.{last}.")
+    }
+    h, p = cfg["hidden_size"], f"model.layers.{mtp}."
+    extra = {
+        "embed_tokens.weight": (cfg["vocab_size"], h),
+        "enorm.weight": (h,),
+        "hnorm.weight": (h,),
+        "eh_proj.weight": (h, 2 * h),
+        "shared_head.norm.weight": (h,),
+        "shared_head.head.weight": (cfg["vocab_size"], h),
+    }
+    layer |= {p + k: torch.randn(s, generator=g) * 0.05 for k, s in extra.items()}
+    return layer
