@@ -44,7 +44,10 @@ class Indexer:
         self.topk = ip.index_topk
         self.wq_b = Linear(kernels, get(f"{a}.wq_b.weight"), None)  # [Hi * Di, q_lora_rank]
         self.wk = Linear(kernels, get(f"{a}.wk.weight"), None)  # [Di, H]
-        self.k_norm = (get(f"{a}.k_norm.weight"), get(f"{a}.k_norm.bias"))
+        self.k_norm = (
+            get(f"{a}.k_norm.weight", torch.float32),
+            get(f"{a}.k_norm.bias", torch.float32),
+        )
         # NOTE: fp32 in every run, as the reference keeps it
         self.weights_proj = get(f"{a}.weights_proj.weight", torch.float32)  # [Hi, H]
         self.rotary = rotary
@@ -57,10 +60,9 @@ class Indexer:
         store: torch.Tensor,  # [blocks, bs, 1, Di] this layer's indexer cache
         slot_mapping: torch.Tensor,  # [T] the indexer group's slots
     ) -> None:
-        k = self.wk(x)
-        k = F.layer_norm(
-            k, (self.dim,), self.k_norm[0].to(k.dtype), self.k_norm[1].to(k.dtype), K_NORM_EPS
-        )
+        raw = self.wk(x)
+        # NOTE: in fp32 whatever the run dtype, as the reference's LayerNorm computes
+        k = F.layer_norm(raw.float(), (self.dim,), *self.k_norm, K_NORM_EPS).to(raw.dtype)
         k_rot = self.rotary(positions, k[:, None, : self.rope], interleave=False)[:, 0]
         k = torch.cat([k_rot, k[:, self.rope :]], dim=-1)
         store.view(-1, self.dim).index_copy_(0, slot_mapping, k.to(store.dtype))
