@@ -142,6 +142,25 @@ def test_release_layout_fp8_sharded_with_mtp_layer(
     check_against_reference(release, prompts, got, 8, hf=False)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ngram_verify_rows_equal_plain_decoding(
+    v32: Path, counters: dict[str, int], async_scheduling: bool
+) -> None:
+    """Verify steps (several rows per sequence, each selecting its own top k) give the
+    plain greedy tokens; the drafts are rejected and their entries overwritten."""
+    prompts = [p + p[:10] for p in mixed_prompts(3, seed=9, lo=15, hi=30)]
+    with LLM(str(v32), dtype="float32") as llm:
+        plain = run(llm, prompts, _greedy())
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    with LLM(
+        str(v32), dtype="float32", async_scheduling=async_scheduling, speculative_config=spec
+    ) as llm:
+        assert run(llm, prompts, _greedy()) == plain
+        assert llm.get_stats()["spec_num_drafts"] > 0
+    assert counters["sparse_decodes"] > 0 and counters["queries_cut"] > 0
+
+
 def _variant(src: Path, out: Path, **cfg: object) -> Path:
     shutil.copytree(src, out)
     config = json.loads((src / "config.json").read_text())
@@ -207,6 +226,7 @@ def test_topk_above_the_context_is_v3_and_a_small_topk_is_not(
         ({"index_head_dim": 4}, r"qk_rope_head_dim=8 must be an even int <= index_head_dim"),
         ({"q_lora_rank": None}, "q_lora_rank is required"),
         ({"rope_interleave": False}, "rope_interleave must be true"),
+        ({"indexer_rope_interleave": True}, "indexer_rope_interleave must be false"),
     ],
 )
 def test_bad_config_is_refused_by_name(change: dict, message: str) -> None:

@@ -42,6 +42,11 @@ class IndexerParams:
                 "rope_interleave must be true (or absent): V3.2's MLA rotates interleaved "
                 "pairs and its indexer half-split ones"
             )
+        if cfg.get("indexer_rope_interleave", False) is not False:
+            raise IndexerConfigError(
+                "indexer_rope_interleave must be false (or absent): V3.2's indexer rotates "
+                "half-split pairs; an interleaved indexer rope is not built"
+            )
         return params
 
 
