@@ -238,6 +238,13 @@ def test_bad_config_is_refused_by_name(change: dict, message: str) -> None:
         ArchConfig.from_hf(cfg)
 
 
+@pytest.mark.slow  # the module's checkpoint is built by transformers
+def test_config_that_does_not_fit_the_tensors_is_refused(v32: Path, tmp_path: Path) -> None:
+    bad = _variant(v32, tmp_path / "bad", index_n_heads=8)
+    with pytest.raises(ValueError, match=r"indexer\.wq_b\.weight' has shape \(256, 32\), expected"):
+        LLM(str(bad), dtype="float32")
+
+
 def test_release_config_is_read() -> None:
     arch = ArchConfig.from_hf(release_config())
     assert arch.indexer is not None and arch.deepseek is not None

@@ -11,6 +11,9 @@ and `weights_proj` (unquantized), as vLLM's and SGLang's V3.2 loaders read them
 `index_topk`, `index_head_dim`, `index_n_heads` (the keys and names of DeepSeek's
 V3.2 inference config). transformers makes the random weights; `RELEASE_LAYER_NAMES`
 checks its state dict against the released names before it is written.
+`write_release_layout` rewrites it as DeepSeek ships V3.2: FP8 projections with
+`weight_scale_inv` (ue8m0 powers of two per 128 x 128 block), the rest bf16, two
+shards with an index, and the MTP layer `model.layers.{num_hidden_layers}`.
 """
 
 from __future__ import annotations
