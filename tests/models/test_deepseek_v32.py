@@ -4,7 +4,7 @@ independent fp32 reference written from DeepSeek's own V3.2 inference code
 checkpoint with the release's tensor names and config keys, whose `index_topk` (6) is
 far below the prompts' lengths, so the indexer's selection decides what every later
 query attends to: single requests, mixed-length batches (equal to one at a time), sync
-and async, chunked prefill over small blocks and prefix-cache hits, and the release
+and async, chunked prefill over small blocks, prefix-cache hits, preemption, and the release
 layout itself (FP8 weights with block scales, bf16 elsewhere, sharded, with its MTP
 layer). Counters show the sparse paths ran and dropped keys; with `index_topk` above
 every context the model is V3; bad configs are refused by name."""
@@ -125,6 +125,26 @@ def test_chunked_prefill_small_blocks_and_prefix_hits_match_the_reference(
     assert stats["num_prefill_chunks"] > len(prompts) and stats["prefix_cache_hits"] > 0
     assert counters["sparse_prefills"] > 0 and counters["queries_cut"] > 0
     check_against_reference(v32, prompts, cold, N)
+
+
+@pytest.mark.slow
+def test_preemption_and_resume_match_the_reference(v32: Path, counters: dict[str, int]) -> None:
+    """40 blocks of 4 per group for five requests: some are preempted, their blocks in
+    both groups freed, and recomputed on resume."""
+    prompts = mixed_prompts(5, seed=5, lo=10, hi=30)
+    with LLM(
+        str(v32),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=40,
+        max_model_len=64,
+        enable_prefix_caching=False,
+    ) as llm:
+        got = run(llm, prompts, _greedy(24))
+        stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == 40
+    assert counters["sparse_decodes"] > 0
+    check_against_reference(v32, prompts, got, 24)
 
 
 @pytest.mark.slow
