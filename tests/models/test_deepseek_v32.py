@@ -181,6 +181,31 @@ def test_ngram_verify_rows_equal_plain_decoding(
     assert counters["sparse_decodes"] > 0 and counters["queries_cut"] > 0
 
 
+@pytest.mark.slow
+def test_bf16_weights_keep_the_indexer_scoring_in_fp32(v32: Path, tmp_path: Path) -> None:
+    """A bf16 run of the release holds `weights_proj` and the key LayerNorm in fp32 (as
+    DeepSeek's reference does) and the FP8 `wk` decoded into the run dtype."""
+    from safetensors import safe_open
+
+    from laneserve.kernels import get_kernels
+    from laneserve.model.deepseek_v32.model import DeepseekV32Model
+    from laneserve.model.loader import resolve_checkpoint
+    from laneserve.model.registry import open_weights
+
+    release, cpu = write_release_layout(v32, tmp_path / "release"), torch.device("cpu")
+    ckpt = resolve_checkpoint(str(release), "bfloat16", cpu)
+    store = open_weights(ckpt, cpu, torch.bfloat16)
+    model = DeepseekV32Model(ckpt.arch, get_kernels(cpu), store, cpu, torch.bfloat16, 64)
+    ix = model.layers[1].attn.indexer
+    assert ix.weights_proj.dtype == torch.float32
+    assert all(t.dtype == torch.float32 for t in ix.k_norm)
+    name = "model.layers.1.self_attn.indexer.weights_proj.weight"
+    index = json.loads((release / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(release / index[name]), "pt") as f:
+        shipped = f.get_tensor(name)
+    assert shipped.dtype == torch.bfloat16 and torch.equal(ix.weights_proj, shipped.float())
+
+
 def _variant(src: Path, out: Path, **cfg: object) -> Path:
     shutil.copytree(src, out)
     config = json.loads((src / "config.json").read_text())
