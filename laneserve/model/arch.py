@@ -3,7 +3,7 @@
 One `ArchConfig` covers the Llama family (Llama, Mistral, Qwen2, Qwen3): the
 same math switched by a few flags (q/k/v bias, q/k RMSNorm, tied embeddings,
 rope scaling). The DeepSeek V2 / V3 family adds its MLA / MoE parameters in
-`ArchConfig.deepseek` (`DeepseekParams`).
+`ArchConfig.deepseek` (`DeepseekParams`); V3.2 its indexer's in `ArchConfig.indexer`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from laneserve.model.deepseek_v4.config import DeepseekV4ConfigError, DeepseekV4Params
+from laneserve.model.deepseek_v32.config import IndexerConfigError, IndexerParams
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +27,14 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "DeepseekV32ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "DeepseekV4ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
-DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+DEEPSEEK_ARCHITECTURES = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+)
 # GGUF general.architecture -> HF architectures value
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -76,7 +82,7 @@ class DeepseekParams:
 
     @staticmethod
     def from_hf(arch: str, cfg: dict) -> DeepseekParams:
-        v3 = arch == "DeepseekV3ForCausalLM"
+        v3 = arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
         method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
         if method not in ("noaux_tc", "greedy", "group_limited_greedy"):
             raise UnsupportedModelError(f"{arch} with topk_method={method!r} is not supported")
@@ -127,6 +133,7 @@ class ArchConfig:
     sliding_window: int | None = None
     deepseek: DeepseekParams | None = None
     v4: DeepseekV4Params | None = None  # DeepSeek V4 (its window is not a context cap)
+    indexer: IndexerParams | None = None  # DeepSeek V3.2's sparse attention
 
     @staticmethod
     def from_hf(cfg: dict) -> ArchConfig:
@@ -171,6 +178,7 @@ class ArchConfig:
             sliding_window=None if v4 else _sliding_window(cfg),
             deepseek=DeepseekParams.from_hf(arch, cfg) if arch in DEEPSEEK_ARCHITECTURES else None,
             v4=_v4_params(cfg) if v4 else None,
+            indexer=_indexer_params(cfg) if arch == "DeepseekV32ForCausalLM" else None,
         )
 
     def inv_freq(self) -> torch.Tensor:
@@ -195,6 +203,13 @@ def _v4_params(cfg: dict) -> DeepseekV4Params:
         return DeepseekV4Params.from_hf(cfg)
     except DeepseekV4ConfigError as e:
         raise UnsupportedModelError(f"DeepseekV4ForCausalLM config.json: {e}") from None
+
+
+def _indexer_params(cfg: dict) -> IndexerParams:
+    try:
+        return IndexerParams.from_hf(cfg)
+    except IndexerConfigError as e:
+        raise UnsupportedModelError(f"DeepseekV32ForCausalLM config.json: {e}") from None
 
 
 def _v41_refusal(cfg: dict) -> str:

@@ -8,6 +8,8 @@ worker asks these and never checks a model's class.
  paged          AttentionMetadata of the main group  the main group's, per layer
  token_tables   TokenTableMetadata: every group's    every group's, per group, per layer
                 table per token (DeepSeek V4)
+ paged_groups   AttentionMetadata per cache group   every group's, per group, per layer
+                (DeepSeek V3.2: MLA latents + indexer keys)
 ```
 A draft (MTP) head has a step kind too: the metadata of its own cache group.
 """
@@ -23,16 +25,17 @@ from laneserve.model.layers.attention import AttentionMetadata, TokenTableMetada
 
 PAGED = "paged"
 TOKEN_TABLES = "token_tables"
-STEP_KINDS = (PAGED, TOKEN_TABLES)
+PAGED_GROUPS = "paged_groups"
+STEP_KINDS = (PAGED, TOKEN_TABLES, PAGED_GROUPS)
 
-StepMetadata = AttentionMetadata | TokenTableMetadata
+StepMetadata = AttentionMetadata | TokenTableMetadata | tuple[AttentionMetadata, ...]
 
 
 class CausalLM(Protocol):
     """A target model as the worker runs it."""
 
     kernels: Kernels
-    # PAGED or TOKEN_TABLES (see the table above): what `forward` takes
+    # PAGED, TOKEN_TABLES or PAGED_GROUPS (see the table above): what `forward` takes
     step_kind: str
     # the decode-graph buckets that fit it (worker/cuda_graphs*.py): a step kind, or None
     decode_graph_kind: str | None

@@ -23,6 +23,7 @@ from laneserve.model.deepseek.mtp import load_deepseek_mtp
 from laneserve.model.deepseek_v4 import model as deepseek_v4
 from laneserve.model.deepseek_v4.mtp import load_deepseek_v4_mtp
 from laneserve.model.deepseek_v4.parallel import parallel_sizes as deepseek_v4_parallel_sizes
+from laneserve.model.deepseek_v32 import model as deepseek_v32
 from laneserve.model.llama import model as llama
 from laneserve.model.llama.mtp import load_mtp_head
 from laneserve.model.loader import Checkpoint, WeightStore
@@ -83,6 +84,17 @@ def _deepseek_v4_mtp(
     return load_deepseek_v4_mtp(store, model, kernels, draft_weights, quantize)
 
 
+def _deepseek_v32_mtp(
+    store: Any,
+    model: Any,
+    kernels: Kernels,
+    draft_weights: str | None,
+    known_name: str | None,
+    quantize: str | None,
+) -> Any:
+    raise UnsupportedModelError(deepseek_v32.mtp_refusal(model.arch))
+
+
 FAMILIES = (
     ModelFamily(
         "llama",
@@ -102,6 +114,15 @@ FAMILIES = (
         _deepseek_mtp,
         parallel_sizes=deepseek.parallel_sizes,
         parallel_mtp=True,
+    ),
+    ModelFamily(
+        "deepseek_v32",
+        ("DeepseekV32ForCausalLM",),
+        deepseek_v32.DeepseekV32Model,
+        deepseek_v32.cache_groups,
+        deepseek_v32.weight_shapes,
+        _deepseek_v32_mtp,
+        supports_side_rows=False,
     ),
     ModelFamily(
         "deepseek_v4",

@@ -21,7 +21,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from laneserve.model.interface import PAGED, TOKEN_TABLES, CausalLM, single_group_tables
+from laneserve.model.interface import (
+    PAGED,
+    PAGED_GROUPS,
+    TOKEN_TABLES,
+    CausalLM,
+    single_group_tables,
+)
 from laneserve.model.layers.attention import AttentionMetadata, PrefillSpan, TokenTableMetadata
 from laneserve.protocol import RequestError, StepResult
 from laneserve.sample.step import Drafts, SampledStep, TreeRows, sample_step
@@ -232,8 +238,7 @@ class ModelRunner:
     ) -> _Forward:
         """The target's forward over the step's tokens, and its side rows if any."""
         if inp.spec.side is None:
-            tables = self.model.step_kind == TOKEN_TABLES  # it reads every cache group
-            step = self._all_groups(inp) if tables else meta
+            step = self._step_metadata(inp, meta, positions)
             out = self._graphed(inp, ids, positions, step) or self._eager(ids, positions, step)
             second = self.model.mtp_reads_second_output
             return _Forward(out[0], draft_hidden=out[1] if second else None)
@@ -245,25 +250,37 @@ class ModelRunner:
         hidden, side_hidden = side_rows.split(everything, side)
         return _Forward(hidden, side, side_hidden)
 
+    def _step_metadata(
+        self, inp: StepInputs, meta: AttentionMetadata, positions: torch.Tensor
+    ) -> AttentionMetadata | TokenTableMetadata | tuple[AttentionMetadata, ...]:
+        """What the target's forward takes (its step kind): the main group's metadata,
+        every group's tables per token, or every group's metadata."""
+        kind = self.model.step_kind
+        if kind == TOKEN_TABLES:  # it reads every cache group
+            return self._all_groups(inp)
+        if kind == PAGED_GROUPS:
+            rest = range(1, len(inp.attention.groups))
+            return (meta, *(self._group_metadata(inp, meta, positions, g) for g in rest))
+        return meta
+
     def _eager(
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata | TokenTableMetadata,
+        meta: AttentionMetadata | TokenTableMetadata | tuple[AttentionMetadata, ...],
     ) -> tuple[torch.Tensor, ...]:
         """The target's forward, unrecorded: hidden states (and V4's residual streams)."""
-        if self.model.step_kind == TOKEN_TABLES:
-            assert isinstance(meta, TokenTableMetadata)
-            return self.model.forward(ids, positions, meta, self.kv_caches)
-        assert isinstance(meta, AttentionMetadata)
-        return self.model.forward(ids, positions, meta, self.kv_caches[0])
+        if self.model.step_kind == PAGED:
+            assert isinstance(meta, AttentionMetadata)
+            return self.model.forward(ids, positions, meta, self.kv_caches[0])
+        return self.model.forward(ids, positions, meta, self.kv_caches)  # every group's
 
     def _graphed(
         self,
         inp: StepInputs,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata | TokenTableMetadata,
+        meta: AttentionMetadata | TokenTableMetadata | tuple[AttentionMetadata, ...],
     ) -> tuple[torch.Tensor, ...] | None:
         """The forward's outputs from a decode graph, when the step has that shape (None:
         not): the hidden states, and a V4 target's residual streams."""

@@ -23,7 +23,7 @@ from laneserve.model.deepseek_v4.parallel import parallel_sizes
 from laneserve.model.loader import resolve_checkpoint
 from laneserve.model.registry import FAMILIES, open_weights
 from laneserve.worker.ranks import check_supported
-from tests.distributed.test_tensor_parallel import _free_port
+from tests.distributed.tp_ranks import _free_port
 from tests.distributed.v4_ranks import run_v4_rank, v4_logits
 from tests.e2e.test_tiny_models import mixed_prompts, run
 from tests.models.test_deepseek_mtp import _spec

@@ -14,6 +14,8 @@ or MoE block end in one all-reduce, the LM head in an all-gather.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from laneserve.distributed.parallel_state import SINGLE, TensorParallel
@@ -51,7 +53,7 @@ class DeepseekLayer:
         tp: TensorParallel = SINGLE,
     ) -> None:
         eps = arch.rms_norm_eps
-        self.attn = MlaAttention(arch, kernels, get, prefix, rotary, tp)
+        self.attn = self.attention(arch, kernels, get, prefix, rotary, tp)
         m = f"{prefix}.mlp"
         self.mlp: GatedMLP | ReducedMLP | MoE
         if dense and tp.size > 1:
@@ -65,6 +67,17 @@ class DeepseekLayer:
             self.mlp = MoE(_params(arch), kernels, get, m, tp)
         self.input_norm = RMSNorm(kernels, get(f"{prefix}.input_layernorm.weight"), eps)
         self.post_norm = RMSNorm(kernels, get(f"{prefix}.post_attention_layernorm.weight"), eps)
+
+    def attention(
+        self,
+        arch: ArchConfig,
+        kernels: Kernels,
+        get: WeightGetter,
+        prefix: str,
+        rotary: MlaRotary,
+        tp: TensorParallel,
+    ) -> Any:  # called as (positions, hidden, cache, meta) -> [T, H]
+        return MlaAttention(arch, kernels, get, prefix, rotary, tp)
 
     def __call__(
         self,
@@ -83,6 +96,7 @@ class DeepseekModel(DecoderStack):
     """forward(ids, positions, meta, caches) -> (normed hidden, pre-norm hidden)."""
 
     supports_async_prepare = True  # inputs are resolved on the device, as for Llama
+    layer_class: type[DeepseekLayer] = DeepseekLayer
 
     def __init__(
         self,
@@ -105,7 +119,7 @@ class DeepseekModel(DecoderStack):
             act_dtype,
         )
         self.layers = [
-            DeepseekLayer(
+            self.layer_class(
                 arch,
                 kernels,
                 get,

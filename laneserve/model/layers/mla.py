@@ -102,6 +102,24 @@ class MlaAttention:
         cache: tuple[torch.Tensor, ...],  # (latent [blocks, bs, 1, r + rope],)
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        _, q_nope, q_pe, latent = self.project(positions, x)
+        store = self.write(latent, cache, meta)
+        out = torch.empty(
+            (x.shape[0], self.heads, self.p.v_head_dim), dtype=x.dtype, device=x.device
+        )
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], store, meta)
+        for span in meta.prefills:
+            rows = slice(span.token_start, span.token_start + span.num_tokens)
+            out[rows] = self._prefill(q_nope[rows], q_pe[rows], latent[rows], store, span)
+        return self.output(out)
+
+    def project(
+        self, positions: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q LoRA output after its norm (x itself without q LoRA) [T, q_lora_rank],
+        q_nope [T, H, nope], rotated q_pe [T, H, rope], cache entries [T, r + rope])."""
         p, t = self.p, x.shape[0]
         proj = self.in_proj(x)  # [T, q_lora_rank + r + rope] (or [T, r + rope])
         q_in = x if self.q_norm is None else self.q_norm(proj[:, : self.q_a_rank])
@@ -113,18 +131,24 @@ class MlaAttention:
         pe = self.rotary(positions, pe)  # [T, H + 1, rope]
         q_pe, k_pe = pe[:, : self.heads], pe[:, self.heads]
         c = self.kv_norm(ckv[:, : p.kv_lora_rank])
-        latent = torch.cat([c, k_pe], dim=-1)  # [T, r + rope]
+        return q_in, q_nope, q_pe, torch.cat([c, k_pe], dim=-1)
+
+    def write(
+        self, latent: torch.Tensor, cache: tuple[torch.Tensor, ...], meta: AttentionMetadata
+    ) -> torch.Tensor:  # the layer's store [blocks, bs, 1, r + rope]
         (store,) = cache
-        flat = store.view(-1, p.latent_dim)
+        flat = store.view(-1, self.p.latent_dim)
         flat.index_copy_(0, meta.slot_mapping, latent.to(store.dtype))
-        out = torch.empty((t, self.heads, p.v_head_dim), dtype=x.dtype, device=x.device)
-        nd = meta.num_decode_tokens
-        if nd:
-            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], store, meta)
-        for span in meta.prefills:
-            rows = slice(span.token_start, span.token_start + span.num_tokens)
-            out[rows] = self._prefill(q_nope[rows], q_pe[rows], latent[rows], store, span)
-        return self.o_proj(out.view(t, self.heads * p.v_head_dim))
+        return store
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, v] -> [T, H_model]
+        return self.o_proj(out.view(out.shape[0], self.heads * self.p.v_head_dim))
+
+    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:  # [n, H, nope] -> [n, H, r]
+        return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+
+    def expand(self, o_lat: torch.Tensor) -> torch.Tensor:  # [n, H, r] -> [n, H, v]
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv).transpose(0, 1)
 
     def _prefill(
         self,
@@ -169,7 +193,7 @@ class MlaAttention:
         out = W_uv o_lat per head. No host synchronisation."""
         assert meta.decode_query_start_loc is not None and meta.decode_seq_lens is not None
         assert meta.decode_block_tables is not None  # a decode step has them all
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [nd, H, r]
+        q_lat = self.absorb(q_nope)  # [nd, H, r]
         if self.paged_decode:
             q = torch.cat([q_lat, q_pe], dim=-1)  # [nd, H, r + rope]
             o = self.kernels.paged_attention(
@@ -185,7 +209,7 @@ class MlaAttention:
             o_lat = o[..., : self.p.kv_lora_rank]
         else:
             o_lat = self._decode_torch(q_lat, q_pe, store, meta)
-        return torch.bmm(o_lat.transpose(0, 1), self.w_uv).transpose(0, 1)
+        return self.expand(o_lat)
 
     def _decode_torch(
         self,
@@ -212,14 +236,25 @@ class MlaAttention:
         if meta.decode_last_slot is not None:
             _own_last_keys(keys, store, meta.decode_last_slot.index_select(0, seq), limit)
         visible = torch.arange(keys.shape[1], device=keys.device)[None, :] <= limit[:, None]
-        # NOTE: entries past a row's length are zeroed: the cache is allocated
-        # uninitialised, and a masked NaN would still reach the output as 0 x NaN
-        keys = keys.to(q_lat.dtype).masked_fill(~visible[:, :, None], 0)  # [nd, L, r + rope]
-        c, k_pe = keys[..., : p.kv_lora_rank], keys[..., p.kv_lora_rank :]
-        scores = torch.bmm(q_lat, c.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2))
-        scores = (scores * self.scale).masked_fill(~visible[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)  # [nd, H, L]
-        return torch.bmm(probs, c)  # [nd, H, r]
+        return latent_attention(q_lat, q_pe, keys, visible, self.scale, p.kv_lora_rank)
+
+
+def latent_attention(
+    q_lat: torch.Tensor,  # [n, H, r] absorbed queries
+    q_pe: torch.Tensor,  # [n, H, rope]
+    keys: torch.Tensor,  # [n, L, r + rope] each query's own cache entries
+    visible: torch.Tensor,  # [n, L] bool: which of them it attends to
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:  # [n, H, r] the attention-weighted latents
+    """Absorbed MLA attention of each query over its own entries."""
+    # NOTE: entries not visible are zeroed: the cache is allocated uninitialised,
+    # and a masked NaN would still reach the output as 0 x NaN
+    keys = keys.to(q_lat.dtype).masked_fill(~visible[:, :, None], 0)
+    c, k_pe = keys[..., :kv_lora_rank], keys[..., kv_lora_rank:]
+    scores = torch.bmm(q_lat, c.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2))
+    scores = (scores * scale).masked_fill(~visible[:, None, :], float("-inf"))
+    return torch.bmm(scores.softmax(dim=-1), c)
 
 
 def _heads(

@@ -86,10 +86,14 @@ class MlaRotary:
         self.sin = (freqs.sin() * attn).to(device=device, dtype=dtype)
         self.interleave = interleave
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, positions: torch.Tensor, x: torch.Tensor, interleave: bool | None = None
+    ) -> torch.Tensor:
+        """`interleave` overrides the layout for this call (DeepSeek V3.2's indexer rotates
+        half-split pairs with MLA's frequencies)."""
         cos = self.cos.index_select(0, positions)[:, None, :]  # [T, 1, dim / 2]
         sin = self.sin.index_select(0, positions)[:, None, :]
-        if self.interleave:
+        if self.interleave if interleave is None else interleave:
             a, b = x[..., 0::2], x[..., 1::2]
         else:
             half = x.shape[-1] // 2
