@@ -207,10 +207,11 @@ class AsyncLLM:
             self._eng.shutdown()
 
     def _watch_worker(self) -> None:
-        """A dead worker process wakes the loop (it may be idle, blocked on commands)."""
-        client = self._eng.client
-        if hasattr(client, "on_death"):
-            client.on_death = lambda: self._commands.put(_WORKER_DIED)
+        """A dead worker process (any rank's) wakes the loop (it may be idle, blocked on
+        commands)."""
+        for client in self._eng.clients:
+            if hasattr(client, "on_death"):
+                client.on_death = lambda: self._commands.put(_WORKER_DIED)
 
     def _loop_once(self) -> bool:
         eng = self._eng

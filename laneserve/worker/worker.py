@@ -84,7 +84,9 @@ class Worker:
             torch.set_num_threads(config.worker.num_threads)
         self.group = group
         self.tp = group.tp if group is not None else SINGLE
-        self.device = rank_device(resolve_device(config.model.device), self.tp.rank)
+        # NOTE: a data-parallel rank (never combined with tensor parallelism) has its own device
+        index = config.parallel.data_parallel_rank + self.tp.rank
+        self.device = rank_device(resolve_device(config.model.device), index)
         self.ckpt: Checkpoint = resolve_checkpoint(
             config.model.model, config.model.dtype, self.device, config.model.gguf_weights
         )
