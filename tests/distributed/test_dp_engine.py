@@ -1,0 +1,129 @@
+"""`LLM(model, data_parallel_size=2)`: two engine cores, each with its own scheduler, KV
+cache and worker; greedy tokens equal one core's, and both ranks serve."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from laneserve import LLM, SamplingParams
+from laneserve.core.data_parallel import DataParallelCore
+from laneserve.core.engine_core import EngineCore
+from laneserve.engine_args import EngineArgs
+from laneserve.frontend.engine import LLMEngine
+from tests.e2e.test_tiny_models import mixed_prompts, run
+from tests.tiny_models import add_mtp_layer, build_tiny_deepseek, hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def both_ranks_served(llm: LLM, num_requests: int) -> None:
+    core = llm.engine.core
+    assert isinstance(core, DataParallelCore)
+    assert sum(core.router.routed) == num_requests and min(core.router.routed) >= 1
+    for rank in core.ranks:
+        assert rank.scheduler.stats.num_generation_tokens > 0
+
+
+def test_two_ranks_generate_what_one_does_llama(tiny_models: dict[str, Path]) -> None:
+    d = str(tiny_models["llama"])
+    prompts = mixed_prompts(6, seed=4)
+    with LLM(d, dtype="float32") as llm:
+        assert isinstance(llm.engine.core, EngineCore)  # D = 1: the plain core, no router
+        want = run(llm, prompts, GREEDY)
+    with LLM(d, dtype="float32", data_parallel_size=2, async_scheduling=True) as llm:
+        got = run(llm, prompts, GREEDY)
+        both_ranks_served(llm, len(prompts))
+        stats = llm.engine.stats()
+        assert len(stats["data_parallel_ranks"]) == 2
+    assert got == want
+    assert got[0] == hf_greedy(Path(d), prompts[0], 16)
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = build_tiny_deepseek(tmp_path_factory.mktemp("ds") / "v3", 3, seed=3)
+    return add_mtp_layer(d, seed=4)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_mtp_generate_what_one_does_deepseek(deepseek_mtp: Path) -> None:
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    prompts = mixed_prompts(4, seed=6)
+    kw: dict = {"dtype": "float32", "async_scheduling": True, "speculative_config": spec}
+    with LLM(str(deepseek_mtp), **kw) as llm:
+        want = run(llm, prompts, GREEDY)
+    with LLM(str(deepseek_mtp), data_parallel_size=2, **kw) as llm:
+        got = run(llm, prompts, GREEDY)
+        both_ranks_served(llm, len(prompts))
+        for rank in llm.engine.core.ranks:  # speculation engaged on each rank
+            assert rank.scheduler.stats.num_drafts > 0
+        assert llm.engine.stats()["spec_num_drafts"] > 0
+    assert got == want
+
+
+@pytest.mark.slow
+def test_killed_rank_fails_its_requests_only(tiny_models: dict[str, Path]) -> None:
+    """Two worker processes; SIGKILL on rank 1's: its in-flight requests fail, rank 0's
+    complete with the right tokens, and rank 1 restarts and serves again."""
+    d = tiny_models["llama"]
+    args = EngineArgs(model=str(d), dtype="float32", worker_mode="process", data_parallel_size=2)
+    eng = LLMEngine(args.create_config())
+    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    try:
+        core = eng.core
+        assert isinstance(core, DataParallelCore)
+        prompts = [[5 + i, 6, 7, 8] for i in range(4)]
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, long)
+        states = {s.request.request_id: s for g in eng.groups.values() for s in g}
+        assert sorted(s.request.dp_rank for s in states.values()) == [0, 0, 1, 1]
+        for _ in range(4):
+            eng.step()
+        victim = core.ranks[1].client.process.pid  # type: ignore[attr-defined]
+        os.kill(victim, signal.SIGKILL)
+        while eng.has_unfinished:
+            eng.step()
+        for rid, s in states.items():
+            if s.request.dp_rank == 0:
+                assert s.finish_reason == "length" and s.token_ids == hf_greedy(
+                    d, prompts[int(rid[1:])], 120
+                )
+            else:
+                assert s.finish_reason == "error" and "died" in (s.error or "")
+        eng.add_request("after", [9, 10, 11], SamplingParams(temperature=0, max_tokens=8))
+        eng.add_request("after2", [9, 10, 12], SamplingParams(temperature=0, max_tokens=8))
+        while eng.has_unfinished or core.restart_pending:
+            eng.step()
+        assert core.ranks[1].num_worker_restarts == 1 and core.ranks[0].num_worker_restarts == 0
+        assert core.ranks[1].client.process.pid != victim  # type: ignore[attr-defined]
+        assert core.healthy
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("bad", [0, -1, "2", 1.5, True])
+def test_bad_sizes_are_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="data_parallel_size must be"):
+        EngineArgs(model="m", data_parallel_size=bad).create_config()  # type: ignore[arg-type]
+
+
+def test_data_parallel_with_tensor_parallel_is_refused() -> None:
+    with pytest.raises(ValueError, match="data_parallel_size > 1 with tensor_parallel_size > 1"):
+        EngineArgs(
+            model="m", data_parallel_size=2, tensor_parallel_size=2, worker_mode="process"
+        ).create_config()
+
+
+def test_cli_flag_parses_and_refuses_non_integers() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--data-parallel-size", "2"])
+    assert EngineArgs.from_cli(ns).data_parallel_size == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data-parallel-size", "two"])
