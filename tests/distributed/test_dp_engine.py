@@ -127,3 +127,17 @@ def test_cli_flag_parses_and_refuses_non_integers() -> None:
     assert EngineArgs.from_cli(ns).data_parallel_size == 2
     with pytest.raises(SystemExit):
         parser.parse_args(["--data-parallel-size", "two"])
+
+
+def test_each_cuda_rank_needs_its_own_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank r runs on cuda:r; a rank beyond the visible devices is refused by name (the
+    count is patched: no CUDA device is needed to check the message)."""
+    import torch
+
+    from laneserve.worker.ranks import rank_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert rank_device(torch.device("cuda"), 0) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"rank 1 needs its own CUDA device \(cuda:1\) but 1 are"):
+        rank_device(torch.device("cuda"), 1)
+    assert rank_device(torch.device("cpu"), 1) == torch.device("cpu")  # ranks share the host
