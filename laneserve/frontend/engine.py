@@ -209,8 +209,12 @@ class LLMEngine:
         ranks = [rank_stats(r) for r in self.core.ranks]
         out: dict[str, Any] = {k: sum(r[k] for r in ranks) for k in ranks[0]}
         out["kv_cache_usage"] = max(r["kv_cache_usage"] for r in ranks)
-        if len(ranks) > 1:
+        if isinstance(self.core, DataParallelCore):
+            routed = self.core.router.routed
+            for i, r in enumerate(ranks):  # requests the router sent to each rank
+                r["num_routed"] = routed[i] if i < len(routed) else 0
             out["data_parallel_ranks"] = ranks
+            out["num_routed_by_prefix"] = self.core.router.by_prefix
         s = merged_stats(self.core.ranks)
         if self.config.speculative is not None:
             out.update(

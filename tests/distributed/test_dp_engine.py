@@ -38,7 +38,11 @@ def test_two_ranks_generate_what_one_does_llama(tiny_models: dict[str, Path]) ->
         got = run(llm, prompts, GREEDY)
         both_ranks_served(llm, len(prompts))
         stats = llm.engine.stats()
-        assert len(stats["data_parallel_ranks"]) == 2
+        ranks = stats["data_parallel_ranks"]
+        assert [r["num_routed"] for r in ranks] == llm.engine.core.router.routed
+        assert sum(r["num_generation_tokens"] for r in ranks) == stats["num_generation_tokens"]
+        assert stats["num_generation_tokens"] == 16 * len(prompts)
+        assert stats["num_routed_by_prefix"] == llm.engine.core.router.by_prefix
     assert got == want
     assert got[0] == hf_greedy(Path(d), prompts[0], 16)
 
