@@ -126,8 +126,8 @@ class ServerMetrics:
 
     def _make(self, kind, name: str, doc: str, buckets: tuple | None = None):
         kw = {"buckets": buckets} if buckets is not None else {}
-        labels = ["model_name", "engine"]
-        metric = kind(f"vllm:{name}", doc, labels, registry=self.registry, **kw)
+        names = ["model_name", "engine"]
+        metric = kind(f"vllm:{name}", doc, names, registry=self.registry, **kw)
         for labels in self.engines:
             metric.labels(**labels)  # exported from the start, at zero
         return metric

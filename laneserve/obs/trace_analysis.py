@@ -4,6 +4,10 @@ For consecutive device invocations N and N+1 the *exposed host gap* is
 start(device N+1) - end(device N): time the device sat idle waiting for host
 work. *Overlapped* means prepare(N+1) had finished before device(N) ended.
 Only pairs of decode steps (no prefill rows) enter the summary.
+
+Each worker process (each data-parallel rank's, each file) numbers its own steps, so
+steps are paired within one process: with several, the report has a section per
+process and names the critical one, the slowest per decode step (device + gap).
 """
 
 from __future__ import annotations
@@ -94,8 +98,42 @@ def summarize(steps: list[StepSpans]) -> Summary | None:
     )
 
 
+def load_processes(paths: list[str | Path]) -> dict[str, list[dict]]:
+    """The span events of each process that ran device steps, by its name (its
+    process_name and pid), in file order."""
+    out: dict[str, list[dict]] = {}
+    for f in trace_files(paths):
+        data = json.loads(f.read_text())["traceEvents"]
+        names = {e["pid"]: e["args"]["name"] for e in data if e.get("name") == "process_name"}
+        spans = [e for e in data if e.get("ph") == "X"]
+        for pid in dict.fromkeys(e["pid"] for e in spans if e["name"] == "device"):
+            key = f"{names.get(pid, 'process')} (pid {pid}, {f.name})"
+            out[key] = [e for e in spans if e["pid"] == pid]
+    return out
+
+
 def report(paths: list[str | Path], max_rows: int = 20) -> str:
-    steps = step_spans(load_events(paths))
+    processes = load_processes(paths)
+    if len(processes) <= 1:
+        return _report_steps(step_spans(load_events(paths)), max_rows)
+    lines, step_us = [], {}
+    for name, events in processes.items():
+        steps = step_spans(events)
+        lines += [f"== {name}", _report_steps(steps, max_rows)]
+        s = summarize(steps)
+        if s is not None:
+            step_us[name] = (s.mean_device_us + s.mean_gap_us, s.mean_gap_us)
+    if step_us:
+        name = max(step_us, key=lambda n: step_us[n][0])
+        total, gap = step_us[name]
+        lines.append(
+            f"critical: {name}: decode step {total / 1000:.2f} ms (device + gap), "
+            f"exposed gap mean {gap:.0f} us"
+        )
+    return "\n".join(lines)
+
+
+def _report_steps(steps: list[StepSpans], max_rows: int) -> str:
     lines = ["step  device_ms  gap_us  prepare(N+1)<=end(device N)"]
     ps = pairs(steps)
     for a, b, gap, overlapped in ps[:max_rows]:

@@ -78,7 +78,9 @@ class Worker:
     def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
         start = time.perf_counter()
         self.config = config
-        self.tracer = Tracer(config.worker.profile_dir, role="worker")
+        dp = config.parallel
+        rank = dp.data_parallel_rank if dp.data_parallel_size > 1 else None
+        self.tracer = Tracer(config.worker.profile_dir, role="worker", rank=rank)
         self.lane_clock = LaneClock(config.worker.lane_times)
         if config.worker.num_threads:
             torch.set_num_threads(config.worker.num_threads)
