@@ -227,6 +227,8 @@ class AsyncLLM:
                 return False
             applied = True
             self._apply(cmd)
+        if eng.core.restart_pending:  # NOTE: here, flagged: a step would restart it unflagged
+            self._restart()
         if eng.has_unfinished:
             self._step()
         elif applied and self.on_step is not None:

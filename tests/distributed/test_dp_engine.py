@@ -145,3 +145,53 @@ def test_each_cuda_rank_needs_its_own_device(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ValueError, match=r"rank 1 needs its own CUDA device \(cuda:1\) but 1 are"):
         rank_device(torch.device("cuda"), 1)
     assert rank_device(torch.device("cpu"), 1) == torch.device("cpu")  # ranks share the host
+
+
+@pytest.mark.slow
+def test_idle_rank_death_restarts_while_health_says_so(tiny_models: dict[str, Path]) -> None:
+    """Served (AsyncLLM): rank 1's worker dies while idle and rank 0 is mid-request. The
+    death is seen by the process watch, not by a step; the restart still runs with
+    health false (503), rank 0's request completes with the right tokens, and health
+    is true again after."""
+    import asyncio
+
+    from laneserve.frontend.async_llm import AsyncLLM
+    from tests.server.conftest import wait_for
+
+    d = tiny_models["llama"]
+    args = EngineArgs(model=str(d), dtype="float32", worker_mode="process", data_parallel_size=2)
+    llm = AsyncLLM(args.create_config())
+    llm.start()
+    assert llm.wait_ready(300) and llm.load_error is None
+    try:
+        assert llm.engine is not None and isinstance(llm.engine.core, DataParallelCore)
+        rank1 = llm.engine.core.ranks[1]
+        client = rank1.client
+        restart = client.restart  # type: ignore[attr-defined]
+        healthy_at_restart: list[bool] = []
+
+        def spy() -> None:
+            healthy_at_restart.append(llm.healthy)
+            restart()
+
+        client.restart = spy  # type: ignore[attr-defined]
+        victim = client.process.pid  # type: ignore[attr-defined]
+        prompt = [5, 6, 7, 8]
+
+        async def long_request() -> list[int]:
+            tokens: list[int] = []
+            params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            async for delta in llm.generate("long", prompt, params):
+                if not tokens:
+                    os.kill(victim, signal.SIGKILL)  # rank 1 holds no request
+                tokens += delta.token_ids
+            return tokens
+
+        tokens = asyncio.run(long_request())
+        wait_for(lambda: rank1.num_worker_restarts == 1, "rank 1 restarted")
+        assert healthy_at_restart == [False]
+        assert tokens == hf_greedy(d, prompt, 200)
+        assert llm.engine.core.ranks[0].num_worker_restarts == 0
+        wait_for(lambda: llm.healthy, "healthy after the restart")
+    finally:
+        llm.shutdown()
