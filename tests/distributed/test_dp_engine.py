@@ -69,6 +69,29 @@ def test_two_ranks_with_mtp_generate_what_one_does_deepseek(deepseek_mtp: Path) 
     assert got == want
 
 
+@pytest.fixture(scope="module")
+def deepseek_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.models.tiny_deepseek_v4 import build_tiny_deepseek_v4
+
+    return build_tiny_deepseek_v4(tmp_path_factory.mktemp("ds4") / "v4", seed=0)
+
+
+@pytest.mark.slow
+def test_two_ranks_generate_what_one_does_deepseek_v4(deepseek_v4: Path) -> None:
+    """V4's cache kinds (sliding, compressed) and hash-routed MoE, per rank; prompts
+    around the window and the compression rates."""
+    from tests.models.test_deepseek_v4 import LENGTHS, prompts_of
+
+    prompts = prompts_of(LENGTHS, seed=0)
+    kw: dict = {"dtype": "float32", "async_scheduling": True}
+    with LLM(str(deepseek_v4), **kw) as llm:
+        want = run(llm, prompts, GREEDY)
+    with LLM(str(deepseek_v4), data_parallel_size=2, **kw) as llm:
+        got = run(llm, prompts, GREEDY)
+        both_ranks_served(llm, len(prompts))
+    assert got == want
+
+
 @pytest.mark.slow
 def test_killed_rank_fails_its_requests_only(tiny_models: dict[str, Path]) -> None:
     """Two worker processes; SIGKILL on rank 1's: its in-flight requests fail, rank 0's
