@@ -33,6 +33,7 @@ def profile(model: Path, out: Path, mode: str) -> None:
         eng.shutdown()
 
 
+@pytest.mark.slow  # two workers per mode, traced
 @pytest.mark.parametrize("mode", ["process", "thread"])
 def test_each_rank_traced_and_analyzed_apart(
     tiny_models: dict[str, Path], tmp_path: Path, mode: str
