@@ -79,6 +79,8 @@ class LLMEngine:
         self.config = config
         self.tracer = Tracer(config.worker.profile_dir, role="engine")
         self.core: EngineCore | DataParallelCore
+        if client is not None and config.parallel.data_parallel_size > 1:
+            raise ValueError("one worker client given for data_parallel_size > 1")
         if client is None and config.parallel.data_parallel_size > 1:
             self.clients = make_clients(config, self.tracer)
             self.core = DataParallelCore(config, self.clients, self.tracer)

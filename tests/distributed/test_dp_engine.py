@@ -218,3 +218,14 @@ def test_idle_rank_death_restarts_while_health_says_so(tiny_models: dict[str, Pa
         wait_for(lambda: llm.healthy, "healthy after the restart")
     finally:
         llm.shutdown()
+
+
+def test_one_client_for_several_ranks_is_refused() -> None:
+    from laneserve.config import EngineConfig, ModelConfig, ParallelConfig
+    from tests.fakes import FakeWorker
+
+    cfg = EngineConfig(
+        model=ModelConfig(model="fake"), parallel=ParallelConfig(data_parallel_size=2)
+    )
+    with pytest.raises(ValueError, match="one worker client given for data_parallel_size > 1"):
+        LLMEngine(cfg, client=FakeWorker(64))
