@@ -209,3 +209,16 @@ def test_a_rank_that_cannot_serve_takes_no_requests() -> None:
     core.ranks[0].healthy = False
     with pytest.raises(EngineDeadError, match="every rank"):
         add(core, "y", [1, 2], 2)
+
+
+def test_prompt_logprobs_request_is_routed_by_load_alone() -> None:
+    """It computes every prompt position (no prefix hit), so the holder of its prefix
+    has nothing to offer it: the least loaded rank (lowest index on a tie) takes it."""
+    core, _ = make_dp()
+    shared = prompts(1, 40, 40, seed=5)[0]
+    add(core, "other", prompts(1, 20, 20, seed=7)[0], 30)  # rank 0
+    assert add(core, "first", [*shared, 1, 2], 3).dp_rank == 1
+    run(core)
+    logprobs = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    assert core.add_request("lp", [*shared, 5], logprobs, ()).dp_rank == 0
+    assert add(core, "plain", [*shared, 6], 2).dp_rank == 1  # the holder, for comparison
