@@ -253,6 +253,11 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     master_addr: str = "127.0.0.1"  # node 0's address, where the ranks meet
     master_port: int = 29501  # node 0's rendezvous port (several nodes only)
 
+    # data parallelism: engine cores (scheduler + KV cache + worker) in this engine,
+    # each request routed to one of them (docs/distributed.md#data-parallelism)
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0  # set per rank by the engine: the worker's own index
+
     @property
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes
@@ -319,6 +324,22 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def _validate_parallel(self) -> None:
         p = self.parallel
+        for name in ("tensor_parallel_size", "data_parallel_size", "data_parallel_rank"):
+            value = getattr(p, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if p.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {p.data_parallel_size}")
+        if not 0 <= p.data_parallel_rank < p.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank must be in [0, {p.data_parallel_size}), "
+                f"got {p.data_parallel_rank}"
+            )
+        if p.data_parallel_size > 1 and p.tensor_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet: "
+                "use one of them"
+            )
         if p.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {p.tensor_parallel_size}")
         if p.distributed_executor_backend != "mp":

@@ -178,6 +178,12 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(
         1, "ranks (devices) per model: tensor parallelism, Llama family (docs/distributed.md)"
     )
+    data_parallel_size: int = _from_config(
+        ParallelConfig,
+        "data_parallel_size",
+        "engine cores (scheduler, KV cache, worker) in this engine; each request is routed "
+        "to one (docs/distributed.md)",
+    )
     distributed_executor_backend: str = _arg(
         "mp", "how the ranks start: 'mp' (processes spawned by the worker)", choices=("mp",)
     )
@@ -277,6 +283,7 @@ class EngineArgs:
                 node_rank=self.node_rank,
                 master_addr=self.master_addr,
                 master_port=self.master_port,
+                data_parallel_size=self.data_parallel_size,
             ),
             worker=WorkerConfig(
                 mode=self.worker_mode or default_worker_mode(),

@@ -199,6 +199,15 @@ class ProcessClient:
         except (BrokenPipeError, OSError) as e:
             raise WorkerDiedError(self.death_message()) from e
 
+    def result_ready(self, timeout: float) -> bool:
+        """A result can be read now (a dead worker's read fails at once)."""
+        return self._conn.poll(timeout) or not self._alive()
+
+    @property
+    def result_connection(self) -> Connection:
+        """The pipe results arrive on (several ranks' pipes are waited on together)."""
+        return self._conn
+
     def get_result(self) -> StepResult:
         while True:
             if self._conn.poll(_POLL_S):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 from laneserve import protocol
@@ -56,7 +57,11 @@ class EngineDeadError(RuntimeError):
 
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, client: WorkerClient, tracer: Tracer | None = None
+        self,
+        config: EngineConfig,
+        client: WorkerClient,
+        tracer: Tracer | None = None,
+        handles: Iterator[int] | None = None,
     ) -> None:
         self.config = config
         self.client = client
@@ -66,7 +71,8 @@ class EngineCore:
         self.num_worker_restarts = 0
         self.lane_log = LaneLog()  # the last steps' lane spans, when the worker sends them
         self._restart_pending = False
-        self._handles = itertools.count(1)
+        # NOTE: data-parallel ranks share one counter: a handle stays engine-unique
+        self._handles = handles or itertools.count(1)
         self._build(client.ready, stats=None)
 
     def _build(self, ready: WorkerReady, stats: SchedulerStats | None) -> None:
@@ -147,6 +153,11 @@ class EngineCore:
         self.scheduler.abort(req.handle)
 
     @property
+    def ranks(self) -> list[EngineCore]:
+        """The data-parallel ranks' cores: this one alone (see data_parallel.py)."""
+        return [self]
+
+    @property
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self.scheduler.num_in_flight > 0
 
@@ -163,24 +174,53 @@ class EngineCore:
             if failed:
                 return failed
         try:
-            while self.scheduler.num_in_flight < self.depth:
-                with self.tracer.span("schedule", "engine"):
-                    cmd = self.scheduler.schedule()
-                if cmd is None:
-                    break
-                self.client.submit(cmd)
+            self._fill()
             if self.scheduler.num_in_flight == 0:
                 return []
-            result = self.client.get_result()
-            if result.lane_times is not None:
-                self.lane_log.add(result.step_id, result.lane_times)
-            with self.tracer.span("update", "engine", step=result.step_id):
-                return self.scheduler.update_from_output(result)
-        except WorkerDiedError as e:
-            return self._worker_died(f"worker failed: {e}")
+            return self._update(self.client.get_result())
         except Exception as e:
-            log.exception("unexpected error in an engine step")
-            return self._worker_died(f"internal error in an engine step ({type(e).__name__}: {e})")
+            return self._step_failed(e)
+
+    def _fill(self) -> None:
+        """Plan and send steps until `depth` are in flight or nothing can run."""
+        while self.scheduler.num_in_flight < self.depth:
+            with self.tracer.span("schedule", "engine"):
+                cmd = self.scheduler.schedule()
+            if cmd is None:
+                break
+            self.client.submit(cmd)
+
+    def _update(self, result: StepResult) -> list[EngineCoreOutput]:
+        if result.lane_times is not None:
+            self.lane_log.add(result.step_id, result.lane_times)
+        with self.tracer.span("update", "engine", step=result.step_id):
+            return self.scheduler.update_from_output(result)
+
+    def _step_failed(self, e: Exception) -> list[EngineCoreOutput]:
+        if isinstance(e, WorkerDiedError):
+            return self._worker_died(f"worker failed: {e}")
+        log.exception("unexpected error in an engine step")
+        return self._worker_died(f"internal error in an engine step ({type(e).__name__}: {e})")
+
+    # -- the two halves of a step, for ranks that step independently (data_parallel.py)
+    def fill(self) -> list[EngineCoreOutput]:
+        """A pending restart, then steps sent up to `depth`; failures, if any."""
+        if self._restart_pending:
+            failed = self.restart_worker()
+            if failed:
+                return failed
+        try:
+            self._fill()
+        except Exception as e:
+            return self._step_failed(e)
+        return []
+
+    def collect(self) -> list[EngineCoreOutput]:
+        """The oldest step's result (call only with a step in flight)."""
+        try:
+            return self._update(self.client.get_result())
+        except Exception as e:
+            return self._step_failed(e)
 
     def check_worker(self) -> list[EngineCoreOutput]:
         """Fail every unfinished request if the worker process is gone (idle or not)."""

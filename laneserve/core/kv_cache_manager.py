@@ -93,6 +93,13 @@ class KVCacheManager:
         n = min(len(h) for h in hits)
         return [h[:n] for h in hits], n * self.block_size
 
+    def cached_prefix_tokens(self, hashes: list[BlockHash]) -> int:
+        """Tokens of the chain `hashes` this cache holds now (a read: nothing is taken,
+        nothing counted); the data-parallel router compares ranks with it."""
+        if not self.enable_caching:
+            return 0
+        return min(len(g.find_hit(hashes)) for g in self.groups) * self.block_size
+
     def record_lookup(self, num_tokens: int, num_hit: int) -> None:
         if self.enable_caching:
             self.prefix_queries += num_tokens

@@ -75,6 +75,7 @@ class Request:
     # per prompt position (None at 0 and until computed); only when asked for
     prompt_logprobs: list | None = None
     scheduled_time: float | None = None  # first scheduled (queue time ends)
+    dp_rank: int = 0  # the data-parallel rank that owns it, for its whole life
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -74,7 +74,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, self.llm.config.parallel.data_parallel_size)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -369,7 +369,7 @@ def _record(state: ServerState, d: Delta, clock: dict[int, float]) -> None:
     key = st.request.handle
     if d.token_ids:
         if key in clock:
-            state.metrics.observe_itl(now - clock[key])
+            state.metrics.observe_itl(now - clock[key], st.request.dp_rank)
         clock[key] = now
     if d.finished:
         clock.pop(key, None)
@@ -406,6 +406,7 @@ def _finished(state: ServerState, st: RequestState, now: float, reason: str | No
             reason=reason,
             group=st.group_id,
             n=req.sampling_params.n,
+            engine=req.dp_rank,
         )
     )
 

@@ -207,10 +207,11 @@ class AsyncLLM:
             self._eng.shutdown()
 
     def _watch_worker(self) -> None:
-        """A dead worker process wakes the loop (it may be idle, blocked on commands)."""
-        client = self._eng.client
-        if hasattr(client, "on_death"):
-            client.on_death = lambda: self._commands.put(_WORKER_DIED)
+        """A dead worker process (any rank's) wakes the loop (it may be idle, blocked on
+        commands)."""
+        for client in self._eng.clients:
+            if hasattr(client, "on_death"):
+                client.on_death = lambda: self._commands.put(_WORKER_DIED)
 
     def _loop_once(self) -> bool:
         eng = self._eng
@@ -226,6 +227,8 @@ class AsyncLLM:
                 return False
             applied = True
             self._apply(cmd)
+        if eng.core.restart_pending:  # NOTE: here, flagged: a step would restart it unflagged
+            self._restart()
         if eng.has_unfinished:
             self._step()
         elif applied and self.on_step is not None:

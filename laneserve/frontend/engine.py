@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ import msgspec
 
 from laneserve.chat_formats import resolve_chat_format
 from laneserve.config import EngineConfig
+from laneserve.core.data_parallel import DataParallelCore
 from laneserve.core.engine_core import EngineCore, WorkerClient
 from laneserve.core.request import Request
+from laneserve.core.scheduler import SchedulerStats
 from laneserve.frontend.generation_config import generation_defaults
 from laneserve.frontend.no_tokenizer import WHY, NoTokenizer
 from laneserve.frontend.output_processor import Delta, OutputProcessor, RequestState
@@ -38,6 +41,30 @@ def make_client(config: EngineConfig, tracer: Tracer) -> WorkerClient:
     return LaneClient(config) if config.scheduler.async_scheduling else InlineClient(config)
 
 
+def make_clients(config: EngineConfig, tracer: Tracer) -> list[WorkerClient]:
+    """One worker per data-parallel rank, started together (each loads the model); if
+    one fails to start, the others are shut down and its error is raised."""
+    size = config.parallel.data_parallel_size
+    if size == 1:
+        return [make_client(config, tracer)]
+    configs = [
+        msgspec.structs.replace(
+            config, parallel=msgspec.structs.replace(config.parallel, data_parallel_rank=r)
+        )
+        for r in range(size)
+    ]
+    with ThreadPoolExecutor(size, thread_name_prefix="dp-start") as pool:
+        futures = [pool.submit(make_client, c, tracer) for c in configs]
+        wait(futures)
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for client in started:
+            client.shutdown()
+        raise failed[0]  # type: ignore[misc]
+    return started
+
+
 def _architectures(model_dir: Path) -> list[str]:
     """config.json's `architectures` (empty where there is none)."""
     try:
@@ -51,8 +78,16 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, client: WorkerClient | None = None) -> None:
         self.config = config
         self.tracer = Tracer(config.worker.profile_dir, role="engine")
-        self.client = client or make_client(config, self.tracer)
-        self.core = EngineCore(config, self.client, self.tracer)
+        self.core: EngineCore | DataParallelCore
+        if client is not None and config.parallel.data_parallel_size > 1:
+            raise ValueError("one worker client given for data_parallel_size > 1")
+        if client is None and config.parallel.data_parallel_size > 1:
+            self.clients = make_clients(config, self.tracer)
+            self.core = DataParallelCore(config, self.clients, self.tracer)
+        else:
+            self.clients = [client or make_client(config, self.tracer)]
+            self.core = EngineCore(config, self.clients[0], self.tracer)
+        self.client = self.clients[0]  # rank 0's (the only one without data parallelism)
         ready = self.client.ready
         self.model_dir = Path(ready.model_dir)
         self.tokenizer: Tokenizer | NoTokenizer = (
@@ -172,20 +207,17 @@ class LLMEngine:
         self.tracer.flush()
 
     def stats(self) -> dict:
-        s = self.core.scheduler.stats
-        kv = self.core.kv
-        out: dict[str, Any] = {  # counters, rates and per-position lists
-            "num_steps": s.num_steps,
-            "num_preemptions": s.num_preemptions,
-            "num_prefill_chunks": s.num_prefill_chunks,
-            "num_prompt_tokens": s.num_prompt_tokens,
-            "num_generation_tokens": s.num_generation_tokens,
-            "num_scheduled_tokens": s.num_scheduled_tokens,
-            "prefix_cache_queries": kv.prefix_queries,
-            "prefix_cache_hits": kv.prefix_hits,
-            "kv_cache_usage": kv.usage,
-            "num_free_blocks": kv.num_free_blocks,
-        }
+        """Counters summed over the data-parallel ranks (rank_stats: each rank's own)."""
+        ranks = [rank_stats(r) for r in self.core.ranks]
+        out: dict[str, Any] = {k: sum(r[k] for r in ranks) for k in ranks[0]}
+        out["kv_cache_usage"] = max(r["kv_cache_usage"] for r in ranks)
+        if isinstance(self.core, DataParallelCore):
+            routed = self.core.router.routed
+            for i, r in enumerate(ranks):  # requests the router sent to each rank
+                r["num_routed"] = routed[i] if i < len(routed) else 0
+            out["data_parallel_ranks"] = ranks
+            out["num_routed_by_prefix"] = self.core.router.by_prefix
+        s = merged_stats(self.core.ranks)
         if self.config.speculative is not None:
             out.update(
                 {
@@ -202,6 +234,41 @@ class LLMEngine:
                 }
             )
         return out
+
+
+def rank_stats(core: EngineCore) -> dict[str, Any]:
+    s, kv = core.scheduler.stats, core.kv
+    return {  # counters and the cache's state
+        "num_steps": s.num_steps,
+        "num_preemptions": s.num_preemptions,
+        "num_prefill_chunks": s.num_prefill_chunks,
+        "num_prompt_tokens": s.num_prompt_tokens,
+        "num_generation_tokens": s.num_generation_tokens,
+        "num_scheduled_tokens": s.num_scheduled_tokens,
+        "prefix_cache_queries": kv.prefix_queries,
+        "prefix_cache_hits": kv.prefix_hits,
+        "kv_cache_usage": kv.usage,
+        "num_free_blocks": kv.num_free_blocks,
+    }
+
+
+def merged_stats(cores: list[EngineCore]) -> SchedulerStats:
+    """The speculation counters of every rank (one rank: its own stats object)."""
+    if len(cores) == 1:
+        return cores[0].scheduler.stats
+    total = SchedulerStats()
+    for core in cores:
+        s = core.scheduler.stats
+        total.num_drafts += s.num_drafts
+        total.num_accepted += s.num_accepted
+        total.drafts_per_position = _add(total.drafts_per_position, s.drafts_per_position)
+        total.accepted_per_position = _add(total.accepted_per_position, s.accepted_per_position)
+    return total
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -2,9 +2,10 @@
 server, no globals), so that dashboards built for vLLM work unchanged; the table
 is docs/metrics.md.
 
-Every series carries vLLM's `model_name` and `engine` labels (one engine core:
-`engine="0"`) and exists from the start with zero values: the children (and the
-`finished_reason` / `position` / `source` ones) are created here, not on first use.
+Every series carries vLLM's `model_name` and `engine` labels (`engine` is the
+data-parallel rank: "0" .. "D-1", as vLLM labels its engine cores) and exists from the
+start with zero values: the children (and the `finished_reason` / `position` / `source`
+ones) are created here, not on first use, for every rank.
 Gauges are refreshed from the engine after every step; counters move by the
 difference since the last refresh; request histograms are observed once per
 finished request, token-gap histograms per streamed token gap.
@@ -21,15 +22,17 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # 1 .. 5e6
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit")
-ENGINE = "0"  # vLLM's `engine` label: the engine core's index (laneserve runs one)
+ENGINE = "0"  # vLLM's `engine` label of the first engine core (data-parallel rank 0)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.labels = {"model_name": model_name, "engine": ENGINE}
-        self._last: dict[str, int] = {}
+        # one label set per engine core (data-parallel rank); `labels`: rank 0's
+        self.engines = [{"model_name": model_name, "engine": str(i)} for i in range(num_engines)]
+        self.labels = self.engines[0]
+        self._last: dict[int, dict[str, int]] = {}  # per engine core: values last seen
         self._groups: dict[str, list[int]] = {}  # request -> [samples left, most tokens]
         self._described = False
         self._gauges()
@@ -67,7 +70,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         for source in PROMPT_SOURCES:
-            self.prompt_by_source.labels(**self.labels, source=source)
+            for labels in self.engines:
+                self.prompt_by_source.labels(**labels, source=source)
         self.generation_tokens = c(Counter, "generation_tokens", "tokens generated")
         self.spec_num_drafts = c(Counter, "spec_decode_num_drafts", "steps that verified drafts")
         self.spec_drafts = c(Counter, "spec_decode_num_draft_tokens", "draft tokens verified")
@@ -85,7 +89,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         for reason in FINISHED_REASONS:
-            self.requests_ok.labels(**self.labels, finished_reason=reason)
+            for labels in self.engines:
+                self.requests_ok.labels(**labels, finished_reason=reason)
         # NOTE: laneserve's own (vLLM has no worker restarts): its own prefix
         self.worker_restarts = Counter(
             "laneserve:num_worker_restarts",
@@ -93,7 +98,8 @@ class ServerMetrics:
             ["model_name", "engine"],
             registry=self.registry,
         )
-        self.worker_restarts.labels(**self.labels)
+        for labels in self.engines:
+            self.worker_restarts.labels(**labels)
 
     def _histograms(self) -> None:
         h, lat, req, tok = self._make, _LATENCY_BUCKETS, _REQUEST_BUCKETS, _TOKEN_BUCKETS
@@ -120,43 +126,50 @@ class ServerMetrics:
 
     def _make(self, kind, name: str, doc: str, buckets: tuple | None = None):
         kw = {"buckets": buckets} if buckets is not None else {}
-        labels = ["model_name", "engine"]
-        metric = kind(f"vllm:{name}", doc, labels, registry=self.registry, **kw)
-        metric.labels(**self.labels)  # exported from the start, at zero
+        names = ["model_name", "engine"]
+        metric = kind(f"vllm:{name}", doc, names, registry=self.registry, **kw)
+        for labels in self.engines:
+            metric.labels(**labels)  # exported from the start, at zero
         return metric
 
-    def label(self, metric):
-        return metric.labels(**self.labels)
+    def label(self, metric, engine: int = 0):
+        return metric.labels(**self.engines[engine])
 
     # -- updates -------------------------------------------------------------------
     def describe(self, engine) -> None:
-        """vllm:cache_config_info, once the engine (and so its KV cache) exists."""
+        """vllm:cache_config_info, once the engine (and so its KV caches) exists."""
         if self._described:
             return
-        ready = engine.core.ready
-        self.cache_info.labels(
-            **self.labels,
-            block_size=str(ready.block_size),
-            num_gpu_blocks=str(sum(g.num_blocks for g in ready.cache_groups)),
-            enable_prefix_caching=str(engine.config.cache.enable_prefix_caching),
-        ).set(1)
+        for labels, core in zip(self.engines, engine.core.ranks, strict=True):
+            ready = core.ready
+            self.cache_info.labels(
+                **labels,
+                block_size=str(ready.block_size),
+                num_gpu_blocks=str(sum(g.num_blocks for g in ready.cache_groups)),
+                enable_prefix_caching=str(engine.config.cache.enable_prefix_caching),
+            ).set(1)
         self._described = True
 
     def refresh(self, engine) -> None:
         self.describe(engine)
-        s = engine.core.scheduler
-        kv = engine.core.kv
-        self.label(self.running).set(len(s.running))
-        self.label(self.waiting).set(len(s.waiting))
-        self.label(self.kv_usage).set(kv.usage)
-        self.label(self.gpu_usage).set(kv.usage)
+        for i, core in enumerate(engine.core.ranks):
+            self._refresh_rank(i, core)
+
+    def _refresh_rank(self, i: int, core) -> None:
+        """One engine core's gauges, and its counters by their difference."""
+        s, kv, labels = core.scheduler, core.kv, self.engines[i]
+        last = self._last.setdefault(i, {})
+        self.label(self.running, i).set(len(s.running))
+        self.label(self.waiting, i).set(len(s.waiting))
+        self.label(self.kv_usage, i).set(kv.usage)
+        self.label(self.gpu_usage, i).set(kv.usage)
         st = s.stats
-        steps = st.num_steps - self._last.get("steps", 0)
-        tokens = st.num_scheduled_tokens - self._last.get("scheduled", 0)
+        steps = st.num_steps - last.get("steps", 0)
+        tokens = st.num_scheduled_tokens - last.get("scheduled", 0)
         if steps > 0:  # NOTE: refreshes may see more than one step: their mean
             for _ in range(steps):
-                self.label(self.iteration).observe(tokens / steps)
-        self._last["steps"], self._last["scheduled"] = st.num_steps, st.num_scheduled_tokens
+                self.label(self.iteration, i).observe(tokens / steps)
+        last["steps"], last["scheduled"] = st.num_steps, st.num_scheduled_tokens
         for metric, value in (
             (self.prefix_queries, kv.prefix_queries),
             (self.prefix_hits, kv.prefix_hits),
@@ -167,28 +180,26 @@ class ServerMetrics:
             (self.spec_num_drafts, st.drafts_per_position[0] if st.drafts_per_position else 0),
             (self.spec_drafts, st.num_drafts),
             (self.spec_accepted, st.num_accepted),
-            (self.worker_restarts, engine.core.num_worker_restarts),
+            (self.worker_restarts, core.num_worker_restarts),
         ):
-            self._advance(self.label(metric), metric._name, value)
+            _advance(last, self.label(metric, i), metric._name, value)
         for pos, value in enumerate(st.accepted_per_position):
-            child = self.spec_per_pos.labels(**self.labels, position=str(pos))
-            self._advance(child, f"pos{pos}", value)
+            child = self.spec_per_pos.labels(**labels, position=str(pos))
+            _advance(last, child, f"pos{pos}", value)
         computed = st.num_request_prompt_tokens - st.num_cached_prompt_tokens
         for source, value in zip(
             PROMPT_SOURCES, (computed, st.num_cached_prompt_tokens), strict=True
         ):
-            child = self.prompt_by_source.labels(**self.labels, source=source)
-            self._advance(child, source, value)
-
-    def _advance(self, child, key: str, value: int) -> None:
-        delta = value - self._last.get(key, 0)
-        if delta > 0:
-            child.inc(delta)
-        self._last[key] = max(value, self._last.get(key, 0)) if delta >= 0 else value
+            child = self.prompt_by_source.labels(**labels, source=source)
+            _advance(last, child, source, value)
 
     def observe_request(self, times: RequestTimes) -> None:
-        """One finished request."""
-        lab = self.label
+        """One finished request (on the engine core that served it)."""
+        e = times.engine
+
+        def lab(metric):
+            return self.label(metric, e)
+
         if times.first_token is not None:
             lab(self.ttft).observe(times.first_token - times.arrival)
         lab(self.e2e).observe(times.finished - times.arrival)
@@ -205,7 +216,7 @@ class ServerMetrics:
                 gap = (times.finished - times.first_token) / (times.num_output - 1)
                 lab(self.req_tpot).observe(gap)
         reason = times.reason if times.reason in FINISHED_REASONS else "error"
-        self.requests_ok.labels(**self.labels, finished_reason=reason).inc()
+        self.requests_ok.labels(**self.engines[e], finished_reason=reason).inc()
         self._group_done(times)
 
     def _group_done(self, times: RequestTimes) -> None:
@@ -215,11 +226,11 @@ class ServerMetrics:
         if left > 0:
             self._groups[times.group] = [left, most]
         else:
-            self.label(self.req_max_gen).observe(most)
+            self.label(self.req_max_gen, times.engine).observe(most)
 
-    def observe_itl(self, gap: float) -> None:
-        self.label(self.itl).observe(gap)
-        self.label(self.tpot).observe(gap)  # NOTE: vLLM's older name of the same gaps
+    def observe_itl(self, gap: float, engine: int = 0) -> None:
+        self.label(self.itl, engine).observe(gap)
+        self.label(self.tpot, engine).observe(gap)  # NOTE: vLLM's older name of the same gaps
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -238,3 +249,12 @@ class RequestTimes:
     reason: str | None  # stop / length / abort / error
     group: str = ""  # the request the sample belongs to (its n samples share it)
     n: int = 1  # samples in that request
+    engine: int = 0  # the engine core (data-parallel rank) that served it
+
+
+def _advance(last: dict[str, int], child, key: str, value: int) -> None:
+    """Move a counter child by the difference since the last refresh."""
+    delta = value - last.get(key, 0)
+    if delta > 0:
+        child.inc(delta)
+    last[key] = max(value, last.get(key, 0)) if delta >= 0 else value

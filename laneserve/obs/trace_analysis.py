@@ -5,11 +5,14 @@ start(device N+1) - end(device N): time the device sat idle waiting for host
 work. *Overlapped* means prepare(N+1) had finished before device(N) ended.
 Only pairs of decode steps (no prefill rows) enter the summary.
 
-With several ranks (one trace file each) every rank gets its own summary, and the
-*critical rank* of a step pair is the one with the largest host gap: the ranks meet in
-the forward's collectives, so the others wait for it inside their device spans and its
-gap is the one the whole group pays. Gaps are measured within each rank's process, so
-the comparison holds across machines whose clocks differ.
+Each worker process (each rank's, each file) pairs its own steps: with several, the
+report has a section per process and names the critical one. Tensor-parallel ranks run
+the same steps in lock step and meet in the forward's collectives, so the others wait
+for the latest one inside their device spans: the critical rank of a step pair is the
+one with the largest host gap, and the report counts how often each rank was it and
+its mean gap (each gap is measured within one process, so this holds across machines
+whose clocks differ). Data-parallel ranks number their own steps independently: the
+critical one is the slowest per decode step (device + gap).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+
+from laneserve.obs.profiling import TP_ROLE
 
 
 @dataclass
@@ -56,26 +61,6 @@ def load_events(paths: list[str | Path]) -> list[dict]:
     for f in trace_files(paths):
         events += [e for e in json.loads(f.read_text())["traceEvents"] if e.get("ph") == "X"]
     return events
-
-
-def rank_of(role: str) -> int | None:
-    """The worker rank a trace role names ("worker": 0, "worker-rank3": 3), else None."""
-    if role == "worker":
-        return 0
-    head, _, rank = role.partition("-rank")
-    return int(rank) if head == "worker" and rank.isdigit() else None
-
-
-def rank_events(paths: list[str | Path]) -> dict[int, list[dict]]:
-    """The spans of each worker rank's trace files (engine files left out)."""
-    out: dict[int, list[dict]] = {}
-    for f in trace_files(paths):
-        events = json.loads(f.read_text())["traceEvents"]
-        roles = [e["args"]["name"] for e in events if e.get("name") == "process_name"]
-        rank = rank_of(roles[0]) if roles else None
-        if rank is not None:
-            out.setdefault(rank, []).extend(e for e in events if e.get("ph") == "X")
-    return out
 
 
 def step_spans(events: list[dict]) -> list[StepSpans]:
@@ -120,36 +105,81 @@ def summarize(steps: list[StepSpans]) -> Summary | None:
     )
 
 
+def load_processes(paths: list[str | Path]) -> dict[str, list[dict]]:
+    """The span events of each process that ran device steps, by its name (its
+    process_name and pid), in file order."""
+    out: dict[str, list[dict]] = {}
+    for f in trace_files(paths):
+        data = json.loads(f.read_text())["traceEvents"]
+        names = {e["pid"]: e["args"]["name"] for e in data if e.get("name") == "process_name"}
+        spans = [e for e in data if e.get("ph") == "X"]
+        for pid in dict.fromkeys(e["pid"] for e in spans if e["name"] == "device"):
+            key = f"{names.get(pid, 'process')} (pid {pid}, {f.name})"
+            out[key] = [e for e in spans if e["pid"] == pid]
+    return out
+
+
 @dataclass
-class CriticalRank:
+class CriticalByStep:
     num_pairs: int
-    mean_gap_us: float  # the critical rank's gap, averaged over the step pairs
+    mean_gap_us: float  # the critical process's gap, averaged over the step pairs
     median_gap_us: float
-    times_critical: dict[int, int]  # rank -> step pairs where it was the critical one
+    times_critical: dict[str, int]  # process -> step pairs where it had the largest gap
+
+    def line(self) -> str:
+        counts = ", ".join(f"{n} in {k}" for n, k in self.times_critical.items())
+        return (
+            f"critical (the largest host gap of each of {self.num_pairs} shared decode step "
+            f"pairs): {counts}; its gap mean {self.mean_gap_us:.0f} us "
+            f"(median {self.median_gap_us:.0f})"
+        )
 
 
-def critical_rank(per_rank: dict[int, list[StepSpans]]) -> CriticalRank | None:
-    """Over the decode step pairs every rank ran: whose gap was the largest, and how large."""
-    gaps: dict[int, dict[int, float]] = {
-        rank: {b.step: gap for _, b, gap, _ in pairs(steps)} for rank, steps in per_rank.items()
-    }
-    common = set.intersection(*(set(g) for g in gaps.values())) if gaps else set()
+def critical_by_step(per_process: dict[str, list[StepSpans]]) -> CriticalByStep | None:
+    """Over the decode step pairs that every process ran (tensor-parallel ranks run the
+    same steps): whose gap was the largest, and how large. None when no pair is shared
+    (one process, or data-parallel ranks with their own steps)."""
+    gaps = {n: {b.step: g for _, b, g, _ in pairs(st)} for n, st in per_process.items()}
+    if len(gaps) < 2:
+        return None
+    common = set.intersection(*(set(g) for g in gaps.values()))
     if not common:
         return None
     worst: list[float] = []
-    times = dict.fromkeys(sorted(gaps), 0)
+    times = dict.fromkeys(gaps, 0)
     for step in sorted(common):
-        rank = max(sorted(gaps), key=lambda r: gaps[r][step])
-        times[rank] += 1
-        worst.append(gaps[rank][step])
-    return CriticalRank(len(common), statistics.fmean(worst), statistics.median(worst), times)
+        name = max(gaps, key=lambda n: gaps[n][step])
+        times[name] += 1
+        worst.append(gaps[name][step])
+    return CriticalByStep(len(common), statistics.fmean(worst), statistics.median(worst), times)
 
 
 def report(paths: list[str | Path], max_rows: int = 20) -> str:
-    per_rank = {r: step_spans(ev) for r, ev in sorted(rank_events(paths).items())}
-    if len(per_rank) > 1:
-        return _ranks_report(per_rank)
-    steps = step_spans(load_events(paths))
+    processes = load_processes(paths)
+    if len(processes) <= 1:
+        return _report_steps(step_spans(load_events(paths)), max_rows)
+    lines, step_us = [], {}
+    for name, events in processes.items():
+        steps = step_spans(events)
+        lines += [f"== {name}", _report_steps(steps, max_rows)]
+        s = summarize(steps)
+        if s is not None:
+            step_us[name] = (s.mean_device_us + s.mean_gap_us, s.mean_gap_us)
+    tp = {n: step_spans(ev) for n, ev in processes.items() if n.startswith(TP_ROLE + " ")}
+    shared = critical_by_step(tp)
+    if shared is not None:
+        lines.append(shared.line())
+    elif step_us:
+        name = max(step_us, key=lambda n: step_us[n][0])
+        total, gap = step_us[name]
+        lines.append(
+            f"critical: {name}: decode step {total / 1000:.2f} ms (device + gap), "
+            f"exposed gap mean {gap:.0f} us"
+        )
+    return "\n".join(lines)
+
+
+def _report_steps(steps: list[StepSpans], max_rows: int) -> str:
     lines = ["step  device_ms  gap_us  prepare(N+1)<=end(device N)"]
     ps = pairs(steps)
     for a, b, gap, overlapped in ps[:max_rows]:
@@ -162,30 +192,9 @@ def report(paths: list[str | Path], max_rows: int = 20) -> str:
     if s is None:
         lines.append("no consecutive decode steps in the trace")
     else:
-        lines.append("summary: " + _summary_line(s))
-    return "\n".join(lines)
-
-
-def _summary_line(s: Summary) -> str:
-    return (
-        f"{s.num_pairs} decode step pairs, device mean {s.mean_device_us / 1000:.2f} ms "
-        f"(median {s.median_device_us / 1000:.2f}), exposed gap mean {s.mean_gap_us:.0f} us "
-        f"(median {s.median_gap_us:.0f}), overlapped {s.overlapped}/{s.num_pairs}"
-    )
-
-
-def _ranks_report(per_rank: dict[int, list[StepSpans]]) -> str:
-    lines = []
-    for rank, steps in per_rank.items():
-        s = summarize(steps)
-        lines.append(f"rank {rank}: " + (_summary_line(s) if s else "no consecutive decode steps"))
-    c = critical_rank(per_rank)
-    if c is None:
-        lines.append("critical rank: no decode step pair that every rank ran")
-    else:
-        counts = ", ".join(f"rank {r} in {n}" for r, n in c.times_critical.items())
         lines.append(
-            f"critical rank (the largest gap of each of {c.num_pairs} step pairs): {counts}; "
-            f"its gap mean {c.mean_gap_us:.0f} us (median {c.median_gap_us:.0f})"
+            f"summary: {s.num_pairs} decode step pairs, device mean {s.mean_device_us / 1000:.2f} ms "
+            f"(median {s.median_device_us / 1000:.2f}), exposed gap mean {s.mean_gap_us:.0f} us "
+            f"(median {s.median_gap_us:.0f}), overlapped {s.overlapped}/{s.num_pairs}"
         )
     return "\n".join(lines)

@@ -29,6 +29,9 @@ class InlineClient:
     def get_result(self) -> StepResult:
         return self._results.popleft()
 
+    def result_ready(self, timeout: float) -> bool:
+        return bool(self._results)
+
     def shutdown(self) -> None:
         self._results.clear()
         self.worker.shutdown()
@@ -37,6 +40,7 @@ class InlineClient:
 class LaneClient:
     def __init__(self, config: EngineConfig) -> None:
         self._results: queue.SimpleQueue[StepResult] = queue.SimpleQueue()
+        self._taken: deque[StepResult] = deque()  # read by result_ready, not yet returned
         self.lanes = Lanes(lambda: Worker(config), self._results.put)
         self.worker = self.lanes.worker
         self.ready: WorkerReady = self.worker.ready()
@@ -45,7 +49,17 @@ class LaneClient:
         self.lanes.submit(cmd)
 
     def get_result(self) -> StepResult:
-        return self._results.get()
+        return self._taken.popleft() if self._taken else self._results.get()
+
+    def result_ready(self, timeout: float) -> bool:
+        if not self._taken:
+            try:
+                self._taken.append(
+                    self._results.get(timeout=timeout) if timeout else self._results.get_nowait()
+                )
+            except queue.Empty:
+                return False
+        return True
 
     def shutdown(self) -> None:
         self.lanes.close()

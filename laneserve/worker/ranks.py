@@ -150,7 +150,15 @@ def rendezvous() -> tuple[str, int]:
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """A CUDA rank's own device (cuda:rank); CPU ranks share the host."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    if rank >= count:
+        raise ValueError(
+            f"rank {rank} needs its own CUDA device (cuda:{rank}) but {count} are visible: "
+            "tensor_parallel_size x data_parallel_size devices are needed"
+        )
+    return torch.device("cuda", rank)
 
 
 def rendezvous_of(config: EngineConfig) -> tuple[str, int]:

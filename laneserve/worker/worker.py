@@ -26,14 +26,14 @@ import torch
 from laneserve import protocol
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import read_lookahead
-from laneserve.distributed.parallel_state import SINGLE
+from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import get_kernels
 from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.interface import PAGED, TOKEN_TABLES, CausalLM, DraftHead
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
 from laneserve.model.registry import dtype_bytes, family_for, open_weights
 from laneserve.obs.lane_times import LaneClock
-from laneserve.obs.profiling import Tracer, worker_role
+from laneserve.obs.profiling import TP_ROLE, Tracer
 from laneserve.protocol import (
     CacheGroupInfo,
     StepCommand,
@@ -73,6 +73,16 @@ class PendingStep:
     releases: list[tuple[int, int]] = field(default_factory=list)  # (slot, gen)
 
 
+def _tracer(config: EngineConfig, tp: TensorParallel) -> Tracer:
+    """A rank's worker traces under its rank: data-parallel workers as "worker rank K",
+    tensor-parallel ones as "worker-tp rank K" (their steps are shared: trace_analysis)."""
+    if tp.size > 1:
+        return Tracer(config.worker.profile_dir, role=TP_ROLE, rank=tp.rank)
+    dp = config.parallel
+    rank = dp.data_parallel_rank if dp.data_parallel_size > 1 else None
+    return Tracer(config.worker.profile_dir, role="worker", rank=rank)
+
+
 class Worker:
     group: RankGroup | None = None  # tensor parallel: this rank's group (worker/ranks.py)
 
@@ -81,11 +91,13 @@ class Worker:
         self.config = config
         self.group = group
         self.tp = group.tp if group is not None else SINGLE
-        self.tracer = Tracer(config.worker.profile_dir, role=worker_role(self.tp.rank))
+        self.tracer = _tracer(config, self.tp)
         self.lane_clock = LaneClock(config.worker.lane_times)
         if config.worker.num_threads:
             torch.set_num_threads(config.worker.num_threads)
-        self.device = rank_device(resolve_device(config.model.device), self.tp.rank)
+        # NOTE: a data-parallel rank (never combined with tensor parallelism) has its own device
+        index = config.parallel.data_parallel_rank + self.tp.rank
+        self.device = rank_device(resolve_device(config.model.device), index)
         self.ckpt: Checkpoint = resolve_checkpoint(
             config.model.model, config.model.dtype, self.device, config.model.gguf_weights
         )
