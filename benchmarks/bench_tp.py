@@ -6,8 +6,10 @@ shard (batch B, every row at the same context length, paged cache) and times eve
 collective: how many per step, how long the rank spent in them, and the rest of the
 step (its own compute). The ranks run in lock step, so the critical rank is the one with
 the most compute; a faster rank's collective time is mostly waiting for it. TP = 1 runs
-the same steps on one process for the ratio. Not a timed test: on a 2-core machine two
-ranks share the cores, so this is the correctness path's cost, not a speed-up.
+the same steps on one process for the ratio. Then the engine runs the same checkpoint at
+TP = 2 with `--profile-dir` and `laneserve profile analyze` reports each rank's steps and
+the critical rank's host gap. Not a timed test: on a 2-core machine two ranks share the
+cores, so this is the correctness path's cost, not a speed-up.
 
     .venv/bin/python benchmarks/bench_tp.py                   # TP 1 vs 2, batch 1 and 8
     .venv/bin/python benchmarks/bench_tp.py --batches 1,8,32 --steps 64 --hidden 1024
@@ -134,6 +136,22 @@ def two_ranks(model_dir: str, cases: list, tmp: Path) -> list[list[dict]]:
     return [json.loads((tmp / f"r{r}.json").read_text()) for r in range(2)]
 
 
+def engine_trace(model_dir: str, batch: int, tokens: int, out: Path) -> str:
+    """The engine at TP = 2 with --profile-dir: each rank's decode steps and the critical
+    rank's host gap, as `laneserve profile analyze` reports them."""
+    from laneserve import LLM, SamplingParams
+    from laneserve.obs.trace_analysis import report
+
+    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=2, worker_mode="process",
+              num_threads=1, profile_dir=str(out), skip_tokenizer_init=True)  # fmt: skip
+    prompts = [{"prompt_token_ids": [3 + i, 4, 5, 6]} for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    llm.shutdown()
+    lines = report([out]).splitlines()
+    return "\n".join(x for x in lines if x.startswith(("summary", "critical", "== ")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -141,12 +159,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--trace-batch", type=int, default=8, help="requests of the traced run")
     args = ap.parse_args()
     cases = [(int(b), args.context, args.steps) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as d:
         model = str(build_checkpoint(Path(d) / "ckpt", args.hidden, args.layers))
         single = [decode_steps(model, SINGLE, b, c, s) for b, c, s in cases]
         ranks = two_ranks(model, cases, Path(d))
+        traced = engine_trace(model, args.trace_batch, args.steps, Path(d) / "trace")
     print(f"hidden {args.hidden}, {args.layers} layers, context {args.context}, fp32, gloo")
     print("batch | TP1 step ms | TP2 step ms (ratio) | collectives/step | per rank: "
           "collective ms / compute ms | critical rank")  # fmt: skip
@@ -161,6 +181,9 @@ def main() -> None:
         print(f"{b:5d} | {single[i]['step_s'] * 1e3:11.2f} | {step * 1e3:11.2f} "
               f"({single[i]['step_s'] / step:.2f}x) | {r[0]['calls']:.0f} | {per_rank} | "
               f"r{crit} (exposed {r[crit]['collective_s'] * 1e3:.2f} ms)")  # fmt: skip
+
+    print(f"engine, TP = 2, {args.trace_batch} requests x {args.steps} tokens, traced:")
+    print(traced)
 
 
 if __name__ == "__main__":
