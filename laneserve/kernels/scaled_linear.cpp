@@ -1,0 +1,224 @@
+// scaled_linear: y = x @ W^T (+ bias) with W kept in a checkpoint's block-scaled bytes
+// (FP8 e4m3 with a scale per `group` columns of a row, or MXFP4: e2m1 pairs with a ue8m0
+// exponent per 32 columns; laneserve/kernels/scaled.py). AVX2 + FMA only.
+//
+// Layout (scaled.py repack, a byte transpose of the stored rows): values [nblk, B, 16]
+// uint8, B = K (fp8) or ceil(K / 2) (fp4, byte j of a column holding k = 2j in its low
+// nibble and 2j + 1 in its high one, as stored); scales [nblk, groups, 16], fp32 (fp8)
+// or ue8m0 bytes (fp4). N is zero padded to a multiple of 16.
+//
+// NOTE (exactness, batch invariance): each weight is decoded in registers to
+// value * scale (one fp32 multiply, as scaled.dequantize_rows), then each output is one
+// FMA chain over k = 0..K-1 starting from 0, then + bias: the fp32 `linear` kernel's
+// chain on the dequantized weight, so the bits equal that kernel's (and do not depend on
+// M, the row tile, or the thread split: parallel over output blocks only).
+
+#include "ops.h"
+#include "vec.h"
+
+#include <cmath>
+#include <type_traits>
+
+namespace laneserve {
+namespace {
+
+constexpr int64_t kFmtFp8 = 0;
+constexpr int64_t kFmtFp4 = 1;
+constexpr int kTileRows = 4;  // rows per tile: 8 accumulators + decoded weights in 16 ymm
+
+struct Tables {
+  alignas(32) float e4m3[256];  // fp8 byte -> value (NaN for 0x7f / 0xff)
+  alignas(32) float e8m0[256];  // ue8m0 byte -> 2^(byte - 127) (NaN for 0xff)
+  alignas(32) float e2m1[8];    // fp4 magnitude code -> value
+};
+
+Tables make_tables() {
+  Tables t{};
+  for (int b = 0; b < 256; ++b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    float v = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                     : std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
+    if ((b & 0x7F) == 0x7F) v = std::numeric_limits<float>::quiet_NaN();
+    t.e4m3[b] = (b & 0x80) ? -v : v;
+    t.e8m0[b] = b == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, b - 127);
+  }
+  const float mags[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  for (int i = 0; i < 8; ++i) t.e2m1[i] = mags[i];
+  return t;
+}
+
+const Tables& tables() {
+  static const Tables t = make_tables();
+  return t;
+}
+
+struct ScaledArgs {
+  const float* x;     // [M, K]
+  const float* bias;  // [N] or nullptr
+  float* out;         // [M, N]
+  int64_t M, K, N, group, groups, row_bytes;
+};
+
+// 16 bytes -> two vectors of their 32-bit zero-extended values (columns 0-7, 8-15).
+inline void widen16(__m128i bytes, __m256i& lo, __m256i& hi) {
+  lo = _mm256_cvtepu8_epi32(bytes);
+  hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+}
+
+// e2m1 codes (0..15 per lane) -> values: magnitude by table, the code's bit 3 the sign.
+inline __m256 e2m1(__m256i code, __m256 mags) {
+  const __m256 mag = _mm256_permutevar8x32_ps(mags, code);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28);
+  return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+}
+
+template <int R>
+inline void fma_rows(const float* x, int64_t K, int64_t k, __m256 wl, __m256 wh,
+                     __m256 (&acc)[R][2]) {
+  for (int r = 0; r < R; ++r) {
+    const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
+    acc[r][0] = _mm256_fmadd_ps(xb, wl, acc[r][0]);
+    acc[r][1] = _mm256_fmadd_ps(xb, wh, acc[r][1]);
+  }
+}
+
+template <int R>
+void tile_fp8(const ScaledArgs& a, const uint8_t* w, const float* s, const float* x,
+              __m256 (&acc)[R][2]) {
+  const float* lut = tables().e4m3;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const __m256 s_lo = _mm256_loadu_ps(s + g * kNB), s_hi = _mm256_loadu_ps(s + g * kNB + 8);
+    const int64_t k_end = std::min(a.K, (g + 1) * a.group);
+    for (int64_t k = g * a.group; k < k_end; ++k) {
+      __m256i lo, hi;
+      widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kNB)), lo, hi);
+      const __m256 wl = _mm256_mul_ps(_mm256_i32gather_ps(lut, lo, 4), s_lo);
+      const __m256 wh = _mm256_mul_ps(_mm256_i32gather_ps(lut, hi, 4), s_hi);
+      fma_rows<R>(x, a.K, k, wl, wh, acc);
+    }
+  }
+}
+
+template <int R>
+void tile_fp4(const ScaledArgs& a, const uint8_t* w, const uint8_t* s, const float* x,
+              __m256 (&acc)[R][2]) {
+  const __m256 mags = _mm256_load_ps(tables().e2m1);
+  const float* e8m0 = tables().e8m0;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m256i si_lo, si_hi;
+    widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kNB)), si_lo, si_hi);
+    const __m256 s_lo = _mm256_i32gather_ps(e8m0, si_lo, 4);
+    const __m256 s_hi = _mm256_i32gather_ps(e8m0, si_hi, 4);
+    const int64_t j_end = std::min(a.row_bytes, (g + 1) * a.group / 2);
+    for (int64_t j = g * a.group / 2; j < j_end; ++j) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * kNB));
+      for (int half = 0; half < 2; ++half) {
+        const int64_t k = 2 * j + half;
+        if (k >= a.K) break;  // odd K: the last byte's high nibble is padding
+        const __m128i codes =
+            _mm_and_si128(half ? _mm_srli_epi16(bytes, 4) : bytes, low4);
+        __m256i lo, hi;
+        widen16(codes, lo, hi);
+        const __m256 wl = _mm256_mul_ps(e2m1(lo, mags), s_lo);
+        const __m256 wh = _mm256_mul_ps(e2m1(hi, mags), s_hi);
+        fma_rows<R>(x, a.K, k, wl, wh, acc);
+      }
+    }
+  }
+}
+
+template <int R, bool kFp4>
+void scaled_tile(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t m0, int64_t b) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* x = a.x + m0 * a.K;
+  const uint8_t* wb = w + b * a.row_bytes * kNB;
+  if constexpr (kFp4) {
+    tile_fp4<R>(a, wb, static_cast<const uint8_t*>(s) + b * a.groups * kNB, x, acc);
+  } else {
+    tile_fp8<R>(a, wb, static_cast<const float*>(s) + b * a.groups * kNB, x, acc);
+  }
+  const int64_t n0 = b * kNB;
+  const int64_t valid = std::min<int64_t>(kNB, a.N - n0);
+  alignas(32) float bias_buf[kNB] = {0};
+  if (a.bias != nullptr) std::memcpy(bias_buf, a.bias + n0, sizeof(float) * valid);
+  const __m256 b_lo = _mm256_load_ps(bias_buf), b_hi = _mm256_load_ps(bias_buf + 8);
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float buf[kNB];
+    _mm256_store_ps(buf, a.bias ? _mm256_add_ps(acc[r][0], b_lo) : acc[r][0]);
+    _mm256_store_ps(buf + 8, a.bias ? _mm256_add_ps(acc[r][1], b_hi) : acc[r][1]);
+    std::memcpy(a.out + (m0 + r) * a.N + n0, buf, sizeof(float) * valid);
+  }
+}
+
+template <bool kFp4>
+void scaled_rows(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t m0, int rows,
+                 int64_t b) {
+  switch (rows) {
+    case 1: return scaled_tile<1, kFp4>(a, w, s, m0, b);
+    case 2: return scaled_tile<2, kFp4>(a, w, s, m0, b);
+    case 3: return scaled_tile<3, kFp4>(a, w, s, m0, b);
+    default: return scaled_tile<4, kFp4>(a, w, s, m0, b);
+  }
+}
+
+template <bool kFp4>
+void scaled_driver(const ScaledArgs& a, const uint8_t* w, const void* s) {
+  const int64_t nblk = (a.N + kNB - 1) / kNB;
+  const int64_t per_block = std::max<int64_t>(1, a.M * a.K * kNB);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_block);
+  // NOTE: parallel over output blocks only (never over K): the split changes no bit.
+  at::parallel_for(0, nblk, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      for (int64_t m0 = 0; m0 < a.M; m0 += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, a.M - m0));
+        scaled_rows<kFp4>(a, w, s, m0, rows, b);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor scaled_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale,
+                         int64_t n_out, int64_t fmt, int64_t group,
+                         const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(fmt == kFmtFp8 || fmt == kFmtFp4, "scaled_linear: unknown format ", fmt);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
+              "scaled_linear: x must be a 2-D float32 tensor");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool fp4 = fmt == kFmtFp4;
+  const int64_t row_bytes = fp4 ? (K + 1) / 2 : K;
+  TORCH_CHECK(group >= 1 && (!fp4 || group % 2 == 0), "scaled_linear: bad scale group ", group);
+  const int64_t groups = (K + group - 1) / group;
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.size(1) == row_bytes && w.size(2) == kNB,
+              "scaled_linear: w must be [nblk, ", row_bytes, ", 16] uint8 for K = ", K);
+  TORCH_CHECK(n_out > (w.size(0) - 1) * kNB && n_out <= w.size(0) * kNB,
+              "scaled_linear: out_features inconsistent with the packed weight");
+  TORCH_CHECK(scale.dim() == 3 && scale.is_contiguous() && scale.size(0) == w.size(0) &&
+                  scale.size(1) == groups && scale.size(2) == kNB &&
+                  scale.scalar_type() == (fp4 ? at::kByte : at::kFloat),
+              "scaled_linear: scale must be [nblk, ", groups, ", 16] ",
+              fp4 ? "uint8" : "float32");
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    bias = bias_in->contiguous();
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == n_out,
+                "scaled_linear: bias must be float32 [N]");
+  }
+  at::Tensor out = at::empty({M, n_out}, x.options());
+  if (M == 0 || n_out == 0) return out;
+  const ScaledArgs a{x.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
+                     out.data_ptr<float>(), M, K, n_out, group, groups, row_bytes};
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (fp4)
+    scaled_driver<true>(a, wp, scale.data_ptr<uint8_t>());
+  else
+    scaled_driver<false>(a, wp, scale.data_ptr<float>());
+  return out;
+}
+
+}  // namespace laneserve
