@@ -86,7 +86,11 @@ class Worker:
         self.tp = group.tp if group is not None else SINGLE
         self.device = rank_device(resolve_device(config.model.device), self.tp.rank)
         self.ckpt: Checkpoint = resolve_checkpoint(
-            config.model.model, config.model.dtype, self.device, config.model.gguf_weights
+            config.model.model,
+            config.model.dtype,
+            self.device,
+            config.model.gguf_weights,
+            config.model.quantized_weights,
         )
         arch = self.ckpt.arch
         self.kernels = get_kernels(self.device, enable=config.model.use_kernels)

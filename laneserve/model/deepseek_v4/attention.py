@@ -42,7 +42,7 @@ from laneserve.model.deepseek_v4.compressor import (
 from laneserve.model.deepseek_v4.config import SLIDING, DeepseekV4Params
 from laneserve.model.deepseek_v4.ops import InterleavedRope, Norm, rms_unweighted
 from laneserve.model.layers.attention import TokenTableMetadata
-from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.linear import Linear, linear_weight
 from laneserve.model.layers.weights import WeightGetter
 
 PREFILL_QUERY_BLOCK = 128  # queries of one prefill row sharing one gather of keys
@@ -60,10 +60,9 @@ class V4Attention:
         eps: float,
     ) -> None:
         self.p, self.layer_type, self.rope, self.eps = p, layer_type, rope, eps
-        self.heads = get(f"{prefix}.wq_b.weight").shape[0] // p.head_dim
 
         def lin(name: str) -> Linear:
-            return Linear(kernels, get(f"{prefix}.{name}.weight"), None)
+            return Linear(kernels, linear_weight(get, f"{prefix}.{name}.weight"), None)
 
         self.wq_a, self.wq_b, self.wkv, self.wo_b = (
             lin("wq_a"),
@@ -71,6 +70,7 @@ class V4Attention:
             lin("wkv"),
             lin("wo_b"),
         )
+        self.heads = self.wq_b.out_features // p.head_dim
         self.q_norm = Norm(get(f"{prefix}.q_norm.weight", torch.float32), eps)
         # released: `attn.kv_norm`; transformers' save_pretrained writes `attn.norm`
         kv_norm = "norm" if prefix.startswith("model.") else "kv_norm"

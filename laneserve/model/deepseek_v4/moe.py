@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from laneserve.kernels import Kernels
 from laneserve.model.arch import UnsupportedModelError
 from laneserve.model.deepseek_v4.config import DeepseekV4Params
-from laneserve.model.layers.linear import Linear
-from laneserve.model.layers.moe import StackedExperts, grouped_experts
+from laneserve.model.layers.linear import Linear, linear_weight
+from laneserve.model.layers.moe import StackedExperts, fused, grouped_experts
 from laneserve.model.layers.weights import WeightGetter
 
 _SCORES = {
@@ -29,9 +29,8 @@ _SCORES = {
 
 class _Expert:
     def __init__(self, kernels: Kernels, get: WeightGetter, stem: str, limit: float) -> None:
-        w13 = torch.cat([get(f"{stem}.w1.weight"), get(f"{stem}.w3.weight")])
-        self.w13 = Linear(kernels, w13, None)
-        self.w2 = Linear(kernels, get(f"{stem}.w2.weight"), None)
+        self.w13 = Linear(kernels, fused(get, stem, ("w1", "w3")), None)
+        self.w2 = Linear(kernels, linear_weight(get, f"{stem}.w2.weight"), None)
         self.kernels, self.limit = kernels, limit
 
     def __call__(self, x: torch.Tensor, first_prefill: int | None = None) -> torch.Tensor:

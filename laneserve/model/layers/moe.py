@@ -30,9 +30,10 @@ from dataclasses import replace
 import torch
 
 from laneserve.kernels import Kernels
+from laneserve.kernels.quant import cat_rows
 from laneserve.kernels.reference import LAYOUT_TORCH
 from laneserve.model.arch import DeepseekParams
-from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.linear import Linear, LinearWeight, linear_weight
 from laneserve.model.layers.mlp import GatedMLP
 from laneserve.model.layers.weights import WeightGetter
 
@@ -84,17 +85,13 @@ class MoE:
             self.bias = get(f"{prefix}.gate.e_score_correction_bias", torch.float32)
         x = f"{prefix}.experts"
         # per expert: gate and up rows fused (one matmul), then down; through the kernels,
-        # which keep bf16 weights as they are and accumulate in fp32 on CPU
+        # which keep bf16 (and resident fp8) weights as they are, accumulating in fp32 on CPU
         self.w13 = [
-            Linear(
-                kernels,
-                torch.cat([get(f"{x}.{i}.gate_proj.weight"), get(f"{x}.{i}.up_proj.weight")]),
-                None,
-            )
+            Linear(kernels, fused(get, f"{x}.{i}", ("gate_proj", "up_proj")), None)
             for i in range(p.n_routed_experts)
         ]
         self.w2 = [
-            Linear(kernels, get(f"{x}.{i}.down_proj.weight"), None)
+            Linear(kernels, linear_weight(get, f"{x}.{i}.down_proj.weight"), None)
             for i in range(p.n_routed_experts)
         ]
         self.kernels = kernels
@@ -102,8 +99,8 @@ class MoE:
         self.shared = None
         if p.n_shared_experts:
             s = f"{prefix}.shared_experts"
-            gate_up = torch.cat([get(f"{s}.gate_proj.weight"), get(f"{s}.up_proj.weight")])
-            self.shared = GatedMLP(kernels, gate_up, get(f"{s}.down_proj.weight"))
+            gate_up = fused(get, s, ("gate_proj", "up_proj"))
+            self.shared = GatedMLP(kernels, gate_up, linear_weight(get, f"{s}.down_proj.weight"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         logits = x.float() @ self.gate.t()
@@ -121,6 +118,12 @@ class MoE:
             return self.w2[e](self.kernels.silu_and_mul(self.w13[e](xs)))
 
         return grouped_experts(x, weights, ids, expert)
+
+
+def fused(get: WeightGetter, stem: str, names: Sequence[str]) -> LinearWeight:
+    """`<stem>.<name>.weight` for each name, concatenated along N (kept quantized where
+    the getter keeps them so: `linear_weight`)."""
+    return cat_rows([linear_weight(get, f"{stem}.{n}.weight") for n in names])
 
 
 ExpertFn = Callable[[int, torch.Tensor, int | None], torch.Tensor]  # (e, rows, first_prefill)
