@@ -1,6 +1,7 @@
 // scaled_linear: y = x @ W^T (+ bias) with W kept in a checkpoint's block-scaled bytes
 // (FP8 e4m3 with a scale per `group` columns of a row, or MXFP4: e2m1 pairs with a ue8m0
-// exponent per 32 columns; laneserve/kernels/scaled.py). AVX2 + FMA only.
+// exponent per 32 columns; laneserve/kernels/scaled.py). AVX2 + FMA + F16C only: the
+// same code runs on AVX-512 / AMX machines (whose fp32 `linear` chain is the same too).
 //
 // Layout (scaled.py repack, a byte transpose of the stored rows): values [nblk, B, 16]
 // uint8, B = K (fp8) or ceil(K / 2) (fp4, byte j of a column holding k = 2j in its low
@@ -17,6 +18,8 @@
 #include "vec.h"
 
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <type_traits>
 
 namespace laneserve {
@@ -27,21 +30,14 @@ constexpr int64_t kFmtFp4 = 1;
 constexpr int kTileRows = 4;  // rows per tile: 8 accumulators + decoded weights in 16 ymm
 
 struct Tables {
-  alignas(32) float e4m3[256];  // fp8 byte -> value (NaN for 0x7f / 0xff)
   alignas(32) float e8m0[256];  // ue8m0 byte -> 2^(byte - 127) (NaN for 0xff)
   alignas(32) float e2m1[8];    // fp4 magnitude code -> value
 };
 
 Tables make_tables() {
   Tables t{};
-  for (int b = 0; b < 256; ++b) {
-    const int e = (b >> 3) & 15, m = b & 7;
-    float v = e == 0 ? std::ldexp(static_cast<float>(m), -9)
-                     : std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
-    if ((b & 0x7F) == 0x7F) v = std::numeric_limits<float>::quiet_NaN();
-    t.e4m3[b] = (b & 0x80) ? -v : v;
+  for (int b = 0; b < 256; ++b)
     t.e8m0[b] = b == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, b - 127);
-  }
   const float mags[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
   for (int i = 0; i < 8; ++i) t.e2m1[i] = mags[i];
   return t;
@@ -65,6 +61,22 @@ inline void widen16(__m128i bytes, __m256i& lo, __m256i& hi) {
   hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
 }
 
+// 16 e4m3 bytes -> their values, without a table: each byte's sign, 4-bit exponent field
+// and 3-bit mantissa placed in an fp16 (sign << 15 | exponent << 10 | mantissa << 7), an
+// fp16 worth 2^-8 times the e4m3 value (fp16's wider exponent keeps e4m3 subnormals,
+// m * 2^-9, as fp16 subnormals), widened exactly by F16C and times 2^8 (exact). NaN bytes
+// (0x7f / 0xff) become the fp16 NaN 0xffff.
+inline void e4m3x16(__m128i bytes, __m256& lo, __m256& hi) {
+  const __m256i b = _mm256_cvtepu8_epi16(bytes);
+  const __m256i low7 = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
+  const __m256i nan = _mm256_cmpeq_epi16(low7, _mm256_set1_epi16(0x7F));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+  const __m256i h = _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi16(low7, 7), sign), nan);
+  const __m256 two8 = _mm256_set1_ps(256.0f);
+  lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), two8);
+  hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), two8);
+}
+
 // e2m1 codes (0..15 per lane) -> values: magnitude by table, the code's bit 3 the sign.
 inline __m256 e2m1(__m256i code, __m256 mags) {
   const __m256 mag = _mm256_permutevar8x32_ps(mags, code);
@@ -85,16 +97,13 @@ inline void fma_rows(const float* x, int64_t K, int64_t k, __m256 wl, __m256 wh,
 template <int R>
 void tile_fp8(const ScaledArgs& a, const uint8_t* w, const float* s, const float* x,
               __m256 (&acc)[R][2]) {
-  const float* lut = tables().e4m3;
   for (int64_t g = 0; g < a.groups; ++g) {
     const __m256 s_lo = _mm256_loadu_ps(s + g * kNB), s_hi = _mm256_loadu_ps(s + g * kNB + 8);
     const int64_t k_end = std::min(a.K, (g + 1) * a.group);
     for (int64_t k = g * a.group; k < k_end; ++k) {
-      __m256i lo, hi;
-      widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kNB)), lo, hi);
-      const __m256 wl = _mm256_mul_ps(_mm256_i32gather_ps(lut, lo, 4), s_lo);
-      const __m256 wh = _mm256_mul_ps(_mm256_i32gather_ps(lut, hi, 4), s_hi);
-      fma_rows<R>(x, a.K, k, wl, wh, acc);
+      __m256 vl, vh;
+      e4m3x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kNB)), vl, vh);
+      fma_rows<R>(x, a.K, k, _mm256_mul_ps(vl, s_lo), _mm256_mul_ps(vh, s_hi), acc);
     }
   }
 }

@@ -164,3 +164,13 @@ def test_non_finite_values_are_found() -> None:
     s = f.scale.clone()
     s[1, 0] = 0xFF
     assert not scaled.check_finite(ScaledWeight(f.data, s, "fp4", 16, 32))
+
+
+def test_cpu_kernel_nan_bytes_give_nan(ck: CpuKernels) -> None:
+    """A NaN e4m3 byte (0x7f / 0xff; refused at load) still reads as NaN, as dequantized."""
+    w = make("fp8", 16, 32, 1)
+    bad = w.data.clone()
+    bad[3, 5], bad[9, 0] = 0x7F, 0xFF
+    packed = ck.pack_scaled_weight(ScaledWeight(bad, w.scale, "fp8", 32, w.group))
+    out = ck.linear(torch.ones(1, 32), packed)
+    assert torch.isnan(out[0]).nonzero().flatten().tolist() == [3, 9]
