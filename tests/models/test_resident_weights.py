@@ -185,3 +185,17 @@ def test_v4_resident_bytes_near_the_checkpoint(release: tuple[Path, Path]) -> No
     stored = checkpoint_bytes(out)
     assert abs(held["resident"] - stored) <= 0.10 * stored, (held, stored)
     assert held["dequantized"] > 1.3 * stored, (held, stored)
+
+
+def test_v3_resident_bytes_below_dequantized(v3_fp8: Path) -> None:
+    """fp32 run of the tiny fp8 V3 (16 x 16 blocks, so its fp32 scales repeated per row
+    weigh 4 bytes per 16 values): the model holds about half the bytes of the same model
+    dequantized, whose projections are 4 bytes a weight."""
+    kernels = get_kernels(CPU)
+    held = {}
+    for mode in ("resident", "dequantized"):
+        ckpt = resolve_checkpoint(str(v3_fp8), "float32", CPU, quantized_weights=mode)
+        held[mode] = resident_bytes(_model(ckpt, kernels)[0])
+    stored = checkpoint_bytes(v3_fp8)
+    assert held["resident"] < 0.55 * held["dequantized"], held
+    assert held["resident"] < 1.4 * stored < held["dequantized"], (held, stored)
