@@ -21,7 +21,8 @@ WORKER_MODES = ("thread", "process")
 # activations to int8 per 32 for integer dot products) or dequantized to dtype
 GGUF_WEIGHTS = ("quantized", "q8-dot", "dequantized")
 # A checkpoint's block-scaled fp8 / MXFP4 linear weights (DeepSeek V3 / V4): kept resident
-# as stored (kernels/scaled.py) or dequantized to dtype at load; auto: resident on CPU
+# as stored (kernels/scaled.py) or dequantized to dtype at load; auto: resident where the
+# CPU kernels multiply them natively, else dequantized
 QUANTIZED_WEIGHTS = ("auto", "resident", "dequantized")
 DEFAULT_MAX_N = 128  # most choices (prompts x n) in one server request
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # `laneserve serve`: larger HTTP bodies are refused

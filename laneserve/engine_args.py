@@ -110,7 +110,8 @@ class EngineArgs:
         "quantized_weights",
         "block-scaled fp8 / mxfp4 checkpoints (DeepSeek V3 / V4): keep the linear weights "
         "resident in their stored bytes and scales (CPU kernels: the same results as "
-        "dequantized float32), or dequantize them to --dtype at load; auto: resident on CPU",
+        "dequantized float32), or dequantize them to --dtype at load; auto: resident with the "
+        "CPU kernels, else dequantized",
         choices=QUANTIZED_WEIGHTS,
     )
     device: str = _from_config(

@@ -98,18 +98,22 @@ def resolve_checkpoint(
     device: torch.device,
     gguf_weights: str = "dequantized",
     quantized_weights: str = "auto",
+    native_scaled: bool | None = None,  # the kernels multiply fp8 / fp4 natively (CpuKernels)
 ) -> Checkpoint:
     """`gguf_weights="quantized"` or `"q8-dot"`: a GGUF file's supported linear weights stay
     quantized (CPU only; `gguf_native.py`; q8-dot multiplies them by int8 activations,
     `kernels/q8.py`), the rest is dequantized to `dtype` as before.
     `quantized_weights` (config.QUANTIZED_WEIGHTS): a checkpoint's fp8 / fp4 linear weights
-    kept "resident" as stored or "dequantized" at load; "auto": resident on CPU."""
+    kept "resident" as stored or "dequantized" at load; "auto": resident where the kernels
+    multiply them natively (`native_scaled`; None: the device is a CPU), else dequantized
+    (the torch product, which dequantizes row blocks on every call, is the slow path)."""
     if quantized_weights not in QUANTIZED_WEIGHTS:
         raise ValueError(
             f"quantized_weights must be one of {QUANTIZED_WEIGHTS}, got {quantized_weights!r}"
         )
     if quantized_weights == "auto":
-        quantized_weights = "resident" if device.type == "cpu" else "dequantized"
+        native = device.type == "cpu" if native_scaled is None else native_scaled
+        quantized_weights = "resident" if native else "dequantized"
     path = Path(model).expanduser() if model else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")

@@ -27,7 +27,7 @@ from laneserve import protocol
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import read_lookahead
 from laneserve.distributed.parallel_state import SINGLE
-from laneserve.kernels import get_kernels
+from laneserve.kernels import CpuKernels, get_kernels
 from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.interface import PAGED, TOKEN_TABLES, CausalLM, DraftHead
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
@@ -85,15 +85,16 @@ class Worker:
         self.group = group
         self.tp = group.tp if group is not None else SINGLE
         self.device = rank_device(resolve_device(config.model.device), self.tp.rank)
+        self.kernels = get_kernels(self.device, enable=config.model.use_kernels)
         self.ckpt: Checkpoint = resolve_checkpoint(
             config.model.model,
             config.model.dtype,
             self.device,
             config.model.gguf_weights,
             config.model.quantized_weights,
+            native_scaled=isinstance(self.kernels, CpuKernels),
         )
         arch = self.ckpt.arch
-        self.kernels = get_kernels(self.device, enable=config.model.use_kernels)
         self.act_dtype = torch.float32 if self.device.type == "cpu" else self.ckpt.weight_dtype
         self.max_model_len = _max_model_len(config, self.ckpt)
         spec = config.speculative

@@ -70,6 +70,9 @@ def _layouts(root: Any) -> set[str]:
 
 def test_auto_is_resident_on_cpu_and_flag_is_checked(v3_fp8: Path) -> None:
     assert resolve_checkpoint(str(v3_fp8), "float32", CPU).quantized_weights == "resident"
+    # auto: dequantized where the kernels are torch's (no extension, --no-use-kernels, CUDA)
+    torch_kernels = resolve_checkpoint(str(v3_fp8), "float32", CPU, native_scaled=False)
+    assert torch_kernels.quantized_weights == "dequantized"
     deq = resolve_checkpoint(str(v3_fp8), "float32", CPU, quantized_weights="dequantized")
     assert deq.quantized_weights == "dequantized"
     with pytest.raises(ValueError, match="quantized_weights"):
