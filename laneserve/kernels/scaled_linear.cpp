@@ -20,7 +20,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <algorithm>
 #include <type_traits>
+#include <vector>
 
 namespace laneserve {
 namespace {
@@ -28,6 +30,8 @@ namespace {
 constexpr int64_t kFmtFp8 = 0;
 constexpr int64_t kFmtFp4 = 1;
 constexpr int kTileRows = 4;  // rows per tile: 8 accumulators + decoded weights in 16 ymm
+// (more rows: each scale group is decoded once per column block into a buffer that every
+// row tile reads, scaled_block_buffered)
 
 struct Tables {
   alignas(32) float e8m0[256];  // ue8m0 byte -> 2^(byte - 127) (NaN for 0xff)
@@ -94,60 +98,69 @@ inline void fma_rows(const float* x, int64_t K, int64_t k, __m256 wl, __m256 wh,
   }
 }
 
-template <int R>
-void tile_fp8(const ScaledArgs& a, const uint8_t* w, const float* s, const float* x,
-              __m256 (&acc)[R][2]) {
-  for (int64_t g = 0; g < a.groups; ++g) {
-    const __m256 s_lo = _mm256_loadu_ps(s + g * kNB), s_hi = _mm256_loadu_ps(s + g * kNB + 8);
-    const int64_t k_end = std::min(a.K, (g + 1) * a.group);
-    for (int64_t k = g * a.group; k < k_end; ++k) {
-      __m256 vl, vh;
-      e4m3x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kNB)), vl, vh);
-      fma_rows<R>(x, a.K, k, _mm256_mul_ps(vl, s_lo), _mm256_mul_ps(vh, s_hi), acc);
-    }
+// Calls f(k, w_lo, w_hi) for each k of scale group g of one column block, with the 16
+// weights of row k decoded to value * scale (columns 0-7, 8-15), k ascending.
+template <typename F>
+inline void group_fp8(const ScaledArgs& a, const uint8_t* w, const float* s, int64_t g, F&& f) {
+  const __m256 s_lo = _mm256_loadu_ps(s + g * kNB), s_hi = _mm256_loadu_ps(s + g * kNB + 8);
+  const int64_t k_end = std::min(a.K, (g + 1) * a.group);
+  for (int64_t k = g * a.group; k < k_end; ++k) {
+    __m256 vl, vh;
+    e4m3x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kNB)), vl, vh);
+    f(k, _mm256_mul_ps(vl, s_lo), _mm256_mul_ps(vh, s_hi));
   }
 }
 
-template <int R>
-void tile_fp4(const ScaledArgs& a, const uint8_t* w, const uint8_t* s, const float* x,
-              __m256 (&acc)[R][2]) {
+template <typename F>
+inline void group_fp4(const ScaledArgs& a, const uint8_t* w, const uint8_t* s, int64_t g,
+                      F&& f) {
   const __m256 mags = _mm256_load_ps(tables().e2m1);
   const float* e8m0 = tables().e8m0;
   const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int64_t g = 0; g < a.groups; ++g) {
-    __m256i si_lo, si_hi;
-    widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kNB)), si_lo, si_hi);
-    const __m256 s_lo = _mm256_i32gather_ps(e8m0, si_lo, 4);
-    const __m256 s_hi = _mm256_i32gather_ps(e8m0, si_hi, 4);
-    const int64_t j_end = std::min(a.row_bytes, (g + 1) * a.group / 2);
-    for (int64_t j = g * a.group / 2; j < j_end; ++j) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * kNB));
-      for (int half = 0; half < 2; ++half) {
-        const int64_t k = 2 * j + half;
-        if (k >= a.K) break;  // odd K: the last byte's high nibble is padding
-        const __m128i codes =
-            _mm_and_si128(half ? _mm_srli_epi16(bytes, 4) : bytes, low4);
-        __m256i lo, hi;
-        widen16(codes, lo, hi);
-        const __m256 wl = _mm256_mul_ps(e2m1(lo, mags), s_lo);
-        const __m256 wh = _mm256_mul_ps(e2m1(hi, mags), s_hi);
-        fma_rows<R>(x, a.K, k, wl, wh, acc);
-      }
+  __m256i si_lo, si_hi;
+  widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kNB)), si_lo, si_hi);
+  const __m256 s_lo = _mm256_i32gather_ps(e8m0, si_lo, 4);
+  const __m256 s_hi = _mm256_i32gather_ps(e8m0, si_hi, 4);
+  const int64_t j_end = std::min(a.row_bytes, (g + 1) * a.group / 2);
+  for (int64_t j = g * a.group / 2; j < j_end; ++j) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * kNB));
+    for (int half = 0; half < 2; ++half) {
+      const int64_t k = 2 * j + half;
+      if (k >= a.K) break;  // odd K: the last byte's high nibble is padding
+      const __m128i codes = _mm_and_si128(half ? _mm_srli_epi16(bytes, 4) : bytes, low4);
+      __m256i lo, hi;
+      widen16(codes, lo, hi);
+      f(k, _mm256_mul_ps(e2m1(lo, mags), s_lo), _mm256_mul_ps(e2m1(hi, mags), s_hi));
     }
   }
 }
 
-template <int R, bool kFp4>
-void scaled_tile(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t m0, int64_t b) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const float* x = a.x + m0 * a.K;
-  const uint8_t* wb = w + b * a.row_bytes * kNB;
+// Column block b's values and scales.
+struct Block {
+  const uint8_t* w;
+  const void* s;
+};
+
+inline Block block_of(const ScaledArgs& a, const uint8_t* w, const void* s, bool fp4,
+                      int64_t b) {
+  const int64_t scales = b * a.groups * kNB;
+  const void* sb = fp4 ? static_cast<const void*>(static_cast<const uint8_t*>(s) + scales)
+                       : static_cast<const void*>(static_cast<const float*>(s) + scales);
+  return {w + b * a.row_bytes * kNB, sb};
+}
+
+template <bool kFp4, typename F>
+inline void for_group(const ScaledArgs& a, Block blk, int64_t g, F&& f) {
   if constexpr (kFp4) {
-    tile_fp4<R>(a, wb, static_cast<const uint8_t*>(s) + b * a.groups * kNB, x, acc);
+    group_fp4(a, blk.w, static_cast<const uint8_t*>(blk.s), g, f);
   } else {
-    tile_fp8<R>(a, wb, static_cast<const float*>(s) + b * a.groups * kNB, x, acc);
+    group_fp8(a, blk.w, static_cast<const float*>(blk.s), g, f);
   }
+}
+
+// acc (+ bias) -> out rows m0..m0+R-1, the block's valid columns.
+template <int R>
+void store_tile(const ScaledArgs& a, __m256 (&acc)[R][2], int64_t m0, int64_t b) {
   const int64_t n0 = b * kNB;
   const int64_t valid = std::min<int64_t>(kNB, a.N - n0);
   alignas(32) float bias_buf[kNB] = {0};
@@ -161,14 +174,92 @@ void scaled_tile(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t m
   }
 }
 
+// Up to kTileRows rows: the weights decoded in registers, accumulators kept there.
+template <int R, bool kFp4>
+void scaled_tile(const ScaledArgs& a, Block blk, int64_t m0, int64_t b) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* x = a.x + m0 * a.K;
+  for (int64_t g = 0; g < a.groups; ++g)
+    for_group<kFp4>(a, blk, g, [&](int64_t k, __m256 wl, __m256 wh) {
+      fma_rows<R>(x, a.K, k, wl, wh, acc);
+    });
+  store_tile<R>(a, acc, m0, b);
+}
+
+// R rows over one decoded group (wbuf: [n][16] from k0), accumulators in acc_rows
+// ([R][16], loaded and stored back: exact, so the chain over k is unchanged).
+template <int R>
+void tile_from_buffer(const ScaledArgs& a, const float* wbuf, int64_t k0, int64_t n,
+                      int64_t m0, float* acc_rows) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm256_loadu_ps(acc_rows + r * kNB);
+    acc[r][1] = _mm256_loadu_ps(acc_rows + r * kNB + 8);
+  }
+  const float* x = a.x + m0 * a.K;
+  for (int64_t i = 0; i < n; ++i)
+    fma_rows<R>(x, a.K, k0 + i, _mm256_loadu_ps(wbuf + i * kNB),
+                _mm256_loadu_ps(wbuf + i * kNB + 8), acc);
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc_rows + r * kNB, acc[r][0]);
+    _mm256_storeu_ps(acc_rows + r * kNB + 8, acc[r][1]);
+  }
+}
+
+template <int R>
+void final_tile(const ScaledArgs& a, const float* acc_rows, int64_t m0, int64_t b) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm256_loadu_ps(acc_rows + r * kNB);
+    acc[r][1] = _mm256_loadu_ps(acc_rows + r * kNB + 8);
+  }
+  store_tile<R>(a, acc, m0, b);
+}
+
+// More than kTileRows rows: each scale group of the block is decoded once into wbuf and
+// every row tile multiplies from it (the decode is not repeated per tile); the same
+// products and the same FMA chain per output as scaled_tile.
 template <bool kFp4>
-void scaled_rows(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t m0, int rows,
-                 int64_t b) {
-  switch (rows) {
-    case 1: return scaled_tile<1, kFp4>(a, w, s, m0, b);
-    case 2: return scaled_tile<2, kFp4>(a, w, s, m0, b);
-    case 3: return scaled_tile<3, kFp4>(a, w, s, m0, b);
-    default: return scaled_tile<4, kFp4>(a, w, s, m0, b);
+void scaled_block_buffered(const ScaledArgs& a, Block blk, int64_t b, float* wbuf,
+                           float* accbuf) {
+  std::fill(accbuf, accbuf + a.M * kNB, 0.0f);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int64_t k0 = g * a.group;
+    int64_t n = 0;
+    for_group<kFp4>(a, blk, g, [&](int64_t k, __m256 wl, __m256 wh) {
+      _mm256_storeu_ps(wbuf + (k - k0) * kNB, wl);
+      _mm256_storeu_ps(wbuf + (k - k0) * kNB + 8, wh);
+      n = k - k0 + 1;
+    });
+    for (int64_t m0 = 0; m0 < a.M; m0 += kTileRows) {
+      float* rows = accbuf + m0 * kNB;
+      switch (std::min<int64_t>(kTileRows, a.M - m0)) {
+        case 1: tile_from_buffer<1>(a, wbuf, k0, n, m0, rows); break;
+        case 2: tile_from_buffer<2>(a, wbuf, k0, n, m0, rows); break;
+        case 3: tile_from_buffer<3>(a, wbuf, k0, n, m0, rows); break;
+        default: tile_from_buffer<4>(a, wbuf, k0, n, m0, rows); break;
+      }
+    }
+  }
+  for (int64_t m0 = 0; m0 < a.M; m0 += kTileRows) {
+    const float* rows = accbuf + m0 * kNB;
+    switch (std::min<int64_t>(kTileRows, a.M - m0)) {
+      case 1: final_tile<1>(a, rows, m0, b); break;
+      case 2: final_tile<2>(a, rows, m0, b); break;
+      case 3: final_tile<3>(a, rows, m0, b); break;
+      default: final_tile<4>(a, rows, m0, b); break;
+    }
+  }
+}
+
+template <bool kFp4>
+void scaled_block(const ScaledArgs& a, Block blk, int64_t b) {
+  switch (a.M) {
+    case 1: return scaled_tile<1, kFp4>(a, blk, 0, b);
+    case 2: return scaled_tile<2, kFp4>(a, blk, 0, b);
+    case 3: return scaled_tile<3, kFp4>(a, blk, 0, b);
+    default: return scaled_tile<4, kFp4>(a, blk, 0, b);
   }
 }
 
@@ -179,11 +270,17 @@ void scaled_driver(const ScaledArgs& a, const uint8_t* w, const void* s) {
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_block);
   // NOTE: parallel over output blocks only (never over K): the split changes no bit.
   at::parallel_for(0, nblk, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> wbuf, accbuf;
+    if (a.M > kTileRows) {
+      wbuf.resize(static_cast<size_t>(a.group * kNB));
+      accbuf.resize(static_cast<size_t>(a.M * kNB));
+    }
     for (int64_t b = lo; b < hi; ++b) {
-      for (int64_t m0 = 0; m0 < a.M; m0 += kTileRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, a.M - m0));
-        scaled_rows<kFp4>(a, w, s, m0, rows, b);
-      }
+      const Block blk = block_of(a, w, s, kFp4, b);
+      if (a.M > kTileRows)
+        scaled_block_buffered<kFp4>(a, blk, b, wbuf.data(), accbuf.data());
+      else
+        scaled_block<kFp4>(a, blk, b);
     }
   });
 }
