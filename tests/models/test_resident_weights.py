@@ -206,3 +206,18 @@ def test_v3_resident_bytes_below_dequantized(v3_fp8: Path) -> None:
     stored = checkpoint_bytes(v3_fp8)
     assert held["resident"] < 0.55 * held["dequantized"], held
     assert held["resident"] < 1.4 * stored < held["dequantized"], (held, stored)
+
+
+def test_auto_dequantizes_with_torch_kernels(v3_fp8: Path) -> None:
+    """The worker resolves auto after picking its kernels: with the torch ones (here
+    --no-kernels) the fp8 weights are dequantized at load, not multiplied row block by
+    row block on every call."""
+    from laneserve import SamplingParams
+    from laneserve.kernels import TorchKernels
+
+    with LLM(str(v3_fp8), dtype="float32", use_kernels=False, max_model_len=64) as llm:
+        worker = llm.engine.client.worker
+        assert isinstance(worker.kernels, TorchKernels)
+        assert worker.ckpt.quantized_weights == "dequantized"
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
+        assert len(out[0].outputs[0].token_ids) == 3
