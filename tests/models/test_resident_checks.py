@@ -153,3 +153,19 @@ def test_v4_wrong_scale_shape_is_refused(
 def _shard_of(model: Path, name: str) -> Path:
     index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
     return model / index[name]
+
+
+@pytest.mark.slow
+def test_torch_fallback_resident_equals_plain(v3_mtp: tuple[Path, Path]) -> None:
+    """The torch product (CUDA's path, and CPUs without the extension) on resident fp8
+    weights: the greedy tokens of the fp32 checkpoint the fp8 encodes, on torch kernels."""
+    from tests.models.test_resident_weights import _layouts
+
+    fp8_dir, plain = v3_mtp
+    prompts = mixed_prompts(3, seed=9)
+    kw: dict[str, Any] = {"dtype": "float32", "use_kernels": False}
+    with LLM(str(fp8_dir), quantized_weights="resident", **kw) as llm:
+        assert "scaled-fp8-torch" in _layouts(llm.engine.client.worker.model)
+        got = run(llm, prompts)
+    with LLM(str(plain), **kw) as llm:
+        assert run(llm, prompts) == got
