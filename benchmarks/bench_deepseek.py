@@ -16,6 +16,13 @@ of its 61 layers (`--mtp-inert-layers 0`: a 1-layer target, draft as costly as i
     .venv/bin/python benchmarks/bench_deepseek.py --family v4 --batches 1 --profile-dir /tmp/v4
     .venv/bin/python benchmarks/bench_deepseek.py --quick         # tiny fp32 smoke run
     .venv/bin/python benchmarks/bench_deepseek.py --batches 8,32 --max-tokens 32 --repeats 3
+    .venv/bin/python benchmarks/bench_deepseek.py --resident      # V4 fp4 experts + fp8
+
+`--resident`: the V4 checkpoint in DeepSeek's release format (FP8 attention and shared
+experts with ue8m0 block scales, MXFP4 routed experts) run with its quantized weights
+resident as stored, against the same checkpoint dequantized to bf16 at load and against
+transformers (bf16) on the exact dequantized values; it also prints the bytes each
+laneserve model holds against the checkpoint's tensor bytes.
 
 On a shared machine, `--repeats` keeps the best of several timed runs of each case.
 
@@ -37,11 +44,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from laneserve import LLM, SamplingParams
+from laneserve.kernels import get_kernels
+from laneserve.model.footprint import checkpoint_bytes, resident_bytes
+from laneserve.model.loader import resolve_checkpoint
+from laneserve.model.registry import family_for, open_weights
 from laneserve.obs.trace_analysis import report
 from tests.models.tiny_deepseek_v4 import (
     V4_LAYER_TYPES,
     build_exact_deepseek_v4_mtp,
     build_tiny_deepseek_v4,
+    quantized_release,
 )
 from tests.tiny_models import build_exact_deepseek_mtp, build_tiny_deepseek
 
@@ -113,6 +125,39 @@ def transformers_tok_s(
     return len(batch) * tokens / elapsed
 
 
+def held_bytes(model: Path, dtype: str, mode: str) -> int:
+    """Bytes of the tensors a laneserve model of `model` holds (CPU, weights in `dtype`)."""
+    cpu = torch.device("cpu")
+    ckpt = resolve_checkpoint(str(model), dtype, cpu, quantized_weights=mode)
+    store = open_weights(ckpt, cpu, torch.float32)
+    built = family_for(ckpt.arch).model_class(
+        ckpt.arch, get_kernels(cpu), store, cpu, torch.float32, 64
+    )
+    return resident_bytes(built)
+
+
+def resident_vs_dequantized(args: argparse.Namespace, cfg: dict, batches: list[int]) -> None:
+    """FP4 experts + FP8 attention resident vs dequantized to bf16 vs transformers."""
+    root = Path(tempfile.mkdtemp(prefix="ls-bench-deepseek-resident-"))
+    plain = build_tiny_deepseek_v4(root / "v4", seed=0, **cfg)
+    released, reference = quantized_release(plain, root / "release", root / "reference")
+    stored = checkpoint_bytes(released)
+    for mode in ("resident", "dequantized"):
+        held = held_bytes(released, "bfloat16", mode)
+        print(json.dumps({"weights": mode, "held_bytes": held, "checkpoint_bytes": stored,
+                          "ratio": round(held / stored, 3)}), flush=True)  # fmt: skip
+    for b in batches:
+        batch = prompts(b, args.prompt_len, cfg["vocab_size"])
+        run = (batch, args.max_tokens, args.repeats)
+        res, _ = laneserve_tok_s(released, "bfloat16", *run, quantized_weights="resident")
+        deq, _ = laneserve_tok_s(released, "bfloat16", *run, quantized_weights="dequantized")
+        hf = transformers_tok_s(reference, "bfloat16", *run)
+        print(json.dumps({"batch": b, "resident_tok_s": round(res, 1),
+                          "dequantized_tok_s": round(deq, 1), "transformers_tok_s": round(hf, 1),
+                          "resident_vs_dequantized": round(res / deq, 2),
+                          "resident_vs_transformers": round(res / hf, 2)}), flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny fp32 config, batch 1 / 2")
@@ -123,6 +168,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per case; the best counts")
     ap.add_argument("--no-mtp", action="store_true", help="skip the MTP-vs-no-speculation part")
     ap.add_argument("--family", default="v3", choices=["v3", "v4"])
+    ap.add_argument(
+        "--resident",
+        action="store_true",
+        help="V4 with fp4 experts + fp8 attention: resident vs dequantized vs transformers",
+    )
     ap.add_argument(
         "--profile-dir",
         default=None,
@@ -135,7 +185,7 @@ def main() -> None:
         help="inert layers after the exact-MTP target's first (default: the config's depth - 1)",
     )
     args = ap.parse_args()
-    v4 = args.family == "v4"
+    v4 = args.family == "v4" or args.resident
     cfg, dtype, batches = (
         MID_V4 if v4 else MID,
         args.dtype,
@@ -143,6 +193,9 @@ def main() -> None:
     )
     if args.quick:
         cfg, dtype, batches, args.max_tokens = QUICK, "float32", [1, 2], 8
+    if args.resident:
+        resident_vs_dequantized(args, cfg, batches)
+        return
     root = Path(tempfile.mkdtemp(prefix="ls-bench-deepseek-"))
     if v4:
         model = build_tiny_deepseek_v4(root / "v4", seed=0, **cfg)

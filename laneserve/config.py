@@ -20,6 +20,10 @@ WORKER_MODES = ("thread", "process")
 # GGUF linear weights: kept in their quantized blocks (CPU kernels; "q8-dot" also rounds the
 # activations to int8 per 32 for integer dot products) or dequantized to dtype
 GGUF_WEIGHTS = ("quantized", "q8-dot", "dequantized")
+# A checkpoint's block-scaled fp8 / MXFP4 linear weights (DeepSeek V3 / V4): kept resident
+# as stored (kernels/scaled.py) or dequantized to dtype at load; auto: resident where the
+# CPU kernels multiply them natively, else dequantized
+QUANTIZED_WEIGHTS = ("auto", "resident", "dequantized")
 DEFAULT_MAX_N = 128  # most choices (prompts x n) in one server request
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # `laneserve serve`: larger HTTP bodies are refused
 
@@ -37,6 +41,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts and outputs only
     generation_config: str = "vllm"  # "auto": the model's generation_config.json defaults
     gguf_weights: str = "quantized"  # one of GGUF_WEIGHTS (CPU only; see docs/kernels.md)
+    quantized_weights: str = "auto"  # one of QUANTIZED_WEIGHTS (docs/models.md)
     enforce_eager: bool = False  # CUDA: no decode graphs (CPU always runs eagerly)
     max_logprobs: int = 20  # most logprobs / prompt_logprobs per request (--max-logprobs)
 
@@ -299,6 +304,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"dtype must be one of {DTYPES}, got {m.dtype!r}")
         if m.gguf_weights not in GGUF_WEIGHTS:
             raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}, got {m.gguf_weights!r}")
+        if m.quantized_weights not in QUANTIZED_WEIGHTS:
+            raise ValueError(
+                f"quantized_weights must be one of {QUANTIZED_WEIGHTS}, got {m.quantized_weights!r}"
+            )
         if m.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {m.device!r}")
         if m.max_model_len is not None and m.max_model_len < 2:
@@ -347,6 +356,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"distributed_executor_backend must be 'mp', got {p.distributed_executor_backend!r}"
             )
         _validate_nodes(p)
+        if p.tensor_parallel_size > 1 and self.model.quantized_weights == "resident":
+            raise ValueError(
+                'quantized_weights "resident" with tensor_parallel_size > 1 is not supported: '
+                "each rank cuts its shard from dequantized weights"
+            )
         if p.tensor_parallel_size > 1 and self.worker.mode != "process":
             raise ValueError(
                 "tensor_parallel_size > 1 runs in worker processes (worker mode 'process')"

@@ -21,6 +21,7 @@ from laneserve.config import (
     DEVICES,
     DTYPES,
     GGUF_WEIGHTS,
+    QUANTIZED_WEIGHTS,
     WORKER_MODES,
     CacheConfig,
     EngineConfig,
@@ -103,6 +104,15 @@ class EngineArgs:
         "int8 per 32 for integer dot products (llama.cpp's arithmetic, fastest); or "
         "dequantize every weight to --dtype",
         choices=GGUF_WEIGHTS,
+    )
+    quantized_weights: str = _from_config(
+        ModelConfig,
+        "quantized_weights",
+        "block-scaled fp8 / mxfp4 checkpoints (DeepSeek V3 / V4): keep the linear weights "
+        "resident in their stored bytes and scales (CPU kernels: the same results as "
+        "dequantized float32), or dequantize them to --dtype at load; auto: resident with the "
+        "CPU kernels, else dequantized",
+        choices=QUANTIZED_WEIGHTS,
     )
     device: str = _from_config(
         ModelConfig, "device", "auto: cuda when available, else cpu", choices=DEVICES
@@ -259,6 +269,7 @@ class EngineArgs:
                 seed=self.seed,
                 use_kernels=self.use_kernels,
                 gguf_weights=self.gguf_weights,
+                quantized_weights=self.quantized_weights,
                 enforce_eager=self.enforce_eager,
                 max_logprobs=self.max_logprobs,
             ),

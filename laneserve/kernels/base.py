@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from laneserve.kernels.quant import QuantWeight
+from laneserve.kernels.scaled import ScaledWeight
 from laneserve.kernels.weights import PackedWeight
 
 # Largest M for which CpuKernels.linear guarantees batch invariance. The current kernel
@@ -60,6 +61,14 @@ class Kernels(Protocol):
         result is bitwise that of ``pack_linear_weight(quant.dequantize(w))``. A weight with
         ``activations="q8"`` is multiplied by int8-rounded activations instead (q8.py):
         bitwise ``q8.reference_linear`` everywhere (AVX-512 VNNI kernel or torch)."""
+        ...
+
+    def pack_scaled_weight(self, w: ScaledWeight) -> PackedWeight:
+        """Prepare a block-scaled FP8 / MXFP4 weight (scaled.py) for :meth:`linear`, kept
+        in its stored bytes and scales. CpuKernels multiplies it natively, bitwise
+        ``linear(x, pack_linear_weight(scaled.dequantize(w)))`` (batch invariant alike);
+        TorchKernels dequantizes REFERENCE_ROWS output rows at a time and multiplies in
+        fp32 (``scaled.reference_linear``), returning the activations' dtype."""
         ...
 
     def linear(

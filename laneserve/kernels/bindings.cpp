@@ -19,6 +19,9 @@ TORCH_LIBRARY(laneserve, m) {
   m.def(
       "quant_linear_q8(Tensor x, Tensor w, int out_features, int qtype, Tensor? bias) -> "
       "Tensor");
+  m.def(
+      "scaled_linear(Tensor x, Tensor w, Tensor scale, int out_features, int fmt, int group, "
+      "Tensor? bias) -> Tensor");
   m.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
@@ -62,6 +65,7 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("quant_linear", &laneserve::quant_linear);
   m.impl("quantize_q8", &laneserve::quantize_q8);
   m.impl("quant_linear_q8", &laneserve::quant_linear_q8);
+  m.impl("scaled_linear", &laneserve::scaled_linear);
   m.impl("causal_attention_bf16", &laneserve::causal_attention_bf16);
   m.impl("rms_norm", &laneserve::rms_norm);
   m.impl("fused_add_rms_norm", &laneserve::fused_add_rms_norm);

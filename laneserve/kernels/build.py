@@ -47,6 +47,7 @@ SOURCES = tuple(
         "linear_dpbf16.cpp",
         "quant_linear.cpp",
         "quant_linear_q8.cpp",
+        "scaled_linear.cpp",
         "elementwise.cpp",
         "hyper.cpp",
         "attention.cpp",
@@ -111,7 +112,13 @@ OPS = (
 )
 # Ops that one of OPS uses behind the protocol (CpuKernels.linear: prompt rows on AMX,
 # GGUF-packed weights).
-INTERNAL_OPS = ("linear_prefill", "quant_linear", "quantize_q8", "quant_linear_q8")
+INTERNAL_OPS = (
+    "linear_prefill",
+    "quant_linear",
+    "quantize_q8",
+    "quant_linear_q8",
+    "scaled_linear",
+)
 
 
 @dataclass(frozen=True)

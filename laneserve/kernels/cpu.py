@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from laneserve.kernels import q8, quant, weights
+from laneserve.kernels import q8, quant, scaled, weights
 from laneserve.kernels.base import PAGED_ATTENTION_MAX_HEAD_DIM
 from laneserve.kernels.build import KernelLib
 from laneserve.kernels.quant import QuantWeight
 from laneserve.kernels.reference import TorchKernels
+from laneserve.kernels.scaled import ScaledWeight
 from laneserve.kernels.weights import PackedWeight
 
 # Output columns per packed weight block ([ceil(N/16), K, 16] layout).
@@ -29,6 +30,8 @@ _HYPER_DTYPES = {torch.float32, torch.bfloat16}  # hyper.cpp's streams / outputs
 _GGUF_LAYOUT = {f"gguf-{name}-avx512": code for name, code in quant.QTYPE_CODE.items()}
 # ... with int8 activations (quant_linear_q8.cpp, AVX-512 VNNI)
 _GGUF_Q8_LAYOUT = {f"gguf-{name}-q8-vnni": code for name, code in quant.QTYPE_CODE.items()}
+# block-scaled fp8 / fp4 kept as stored (scaled_linear.cpp, AVX2): layout -> the op's fmt
+_SCALED_LAYOUT = {f"scaled-{name}-blocked16": code for code, name in enumerate(scaled.FORMATS)}
 
 
 class CpuKernels:
@@ -52,6 +55,7 @@ class CpuKernels:
         self._linear_prefill = ops.linear_prefill
         self._quant_linear = ops.quant_linear
         self._quant_linear_q8 = ops.quant_linear_q8
+        self._scaled_linear = ops.scaled_linear
         self._rms_norm = ops.rms_norm
         self._fused_add_rms_norm = ops.fused_add_rms_norm
         self._rotary = ops.rotary_embedding
@@ -99,6 +103,14 @@ class CpuKernels:
             return self.pack_linear_weight(quant.dequantize(w))
         return PackedWeight(quant.repack(w), n, k, torch.uint8, f"gguf-{w.qtype}-avx512")
 
+    def pack_scaled_weight(self, w: ScaledWeight) -> PackedWeight:
+        """A block-scaled fp8 / fp4 weight in its stored bytes, byte-transposed into
+        16-column blocks (scaled.repack) for scaled_linear.cpp."""
+        n, k = w.shape
+        data, scale = scaled.repack(w)
+        layout = f"scaled-{w.fmt}-blocked16"
+        return PackedWeight(data, n, k, torch.uint8, layout, scale, group=w.group)
+
     def linear(
         self,
         x: torch.Tensor,  # [M, K] float32
@@ -115,6 +127,9 @@ class CpuKernels:
             return self._linear_prefill(
                 x, w.data, w.out_features, bias, first_prefill, self._prefill_method
             )
+        if w.group is not None:  # block-scaled fp8 / fp4 (pack_scaled_weight)
+            fmt = _SCALED_LAYOUT[w.layout]
+            return self._scaled_linear(x, w.data, w.scale, w.out_features, fmt, w.group, bias)
         if w.dtype is torch.uint8:  # GGUF blocks (pack_gguf_weight)
             code = _GGUF_LAYOUT.get(w.layout)
             if code is not None:

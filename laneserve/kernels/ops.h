@@ -29,6 +29,10 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_o
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x_in);
 at::Tensor quant_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
                            int64_t qtype, const std::optional<at::Tensor>& bias_in);
+// scaled_linear.cpp
+at::Tensor scaled_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale,
+                         int64_t n_out, int64_t fmt, int64_t group,
+                         const std::optional<at::Tensor>& bias_in);
 
 // causal_attention.cpp
 at::Tensor causal_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_in,

@@ -32,6 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from laneserve.kernels import scaled
+from laneserve.kernels.scaled import ScaledWeight
+
 # type -> (elements per block, bytes per block)
 GGUF_BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_k": (256, 144)}
 QTYPES = tuple(GGUF_BLOCKS)
@@ -74,19 +77,33 @@ class QuantWeight:
         return (int(self.data.shape[0]), self.in_features)
 
 
-def cat_rows(parts: Sequence[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:
+def cat_rows(
+    parts: Sequence[torch.Tensor | QuantWeight | ScaledWeight],
+) -> torch.Tensor | QuantWeight | ScaledWeight:
     """Concatenate weights along N (fused qkv / gate_up): dense tensors with torch.cat;
-    GGUF weights of one type and K by their block rows. Mixed parts are dequantized."""
+    GGUF weights of one type and K by their block rows; block-scaled fp8 / fp4 ones of
+    one format by their rows and row scales. Mixed parts are dequantized."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(list(parts))  # type: ignore[arg-type]
+    if all(isinstance(p, ScaledWeight) for p in parts):
+        cat = scaled.cat_rows(list(parts))  # type: ignore[arg-type]
+        if cat is not None:
+            return cat
     quant = [p for p in parts if isinstance(p, QuantWeight)]
     kinds = {(q.qtype, q.in_features, q.activations) for q in quant}
     if len(quant) == len(parts) and len(kinds) == 1:
         first = quant[0]
         data = torch.cat([q.data for q in quant])
         return QuantWeight(data, first.qtype, first.in_features, first.activations)
-    dense = [dequantize(p) if isinstance(p, QuantWeight) else p.float() for p in parts]
-    return torch.cat(dense)
+    return torch.cat([_dense(p) for p in parts])
+
+
+def _dense(p: torch.Tensor | QuantWeight | ScaledWeight) -> torch.Tensor:
+    if isinstance(p, QuantWeight):
+        return dequantize(p)
+    if isinstance(p, ScaledWeight):
+        return scaled.dequantize(p)
+    return p.float()
 
 
 def _fp16(raw: torch.Tensor) -> torch.Tensor:

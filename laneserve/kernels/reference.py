@@ -10,11 +10,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from laneserve.kernels import q8, quant, torch_attention, weights
+from laneserve.kernels import q8, quant, scaled, torch_attention, weights
 from laneserve.kernels.quant import QuantWeight
+from laneserve.kernels.scaled import ScaledWeight
 from laneserve.kernels.weights import PackedWeight
 
 LAYOUT_TORCH = "torch"  # TorchKernels: plain [N, K] for F.linear (fp32 on CPU)
+SCALED_LAYOUT = "scaled-{}-torch"  # block-scaled fp8 / fp4 as stored (scaled.py)
+
+
+def unpacked(w: PackedWeight) -> ScaledWeight:
+    """The ScaledWeight a TorchKernels block-scaled PackedWeight holds."""
+    assert w.scale is not None and w.group is not None
+    fmt = w.layout.split("-")[1]
+    return ScaledWeight(w.data, w.scale, fmt, w.in_features, w.group)
 
 
 class TorchKernels:
@@ -50,6 +59,11 @@ class TorchKernels:
         # The exact fp32 values the native kernel computes (quant.py), stored dense.
         return self.pack_linear_weight(quant.dequantize(w))
 
+    def pack_scaled_weight(self, w: ScaledWeight) -> PackedWeight:
+        n, k = w.shape
+        layout = SCALED_LAYOUT.format(w.fmt)
+        return PackedWeight(w.data, n, k, torch.uint8, layout, w.scale, group=w.group)
+
     def linear(
         self,
         x: torch.Tensor,  # [M, K] activations (float32 on CPU)
@@ -60,6 +74,8 @@ class TorchKernels:
         if w.layout.endswith(q8.TORCH_LAYOUT_SUFFIX):
             assert w.scale is not None
             return q8.reference_linear(x, w.data, w.scale, w.offset, bias)
+        if w.group is not None:  # block-scaled: dequantized a row block at a time
+            return scaled.reference_linear(x, unpacked(w), bias)
         weight = w.data if w.data.dtype == x.dtype else w.data.to(x.dtype)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)

@@ -28,6 +28,8 @@ class PackedWeight:
     scale: torch.Tensor | None = None  # [N] fp32 column scales of int8 weights; [N, K/32]
     # group scales of TorchKernels' GGUF weights with int8 activations (q8.py)
     offset: torch.Tensor | None = None  # [N, K/32] fp32 group offsets of the latter (q4_1, q4_k)
+    group: int | None = None  # block-scaled fp8 / fp4 (scaled.py): columns per scale; the
+    # scales are then in `scale` (the layout names the format)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

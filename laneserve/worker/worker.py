@@ -27,7 +27,7 @@ from laneserve import protocol
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import read_lookahead
 from laneserve.distributed.parallel_state import SINGLE, TensorParallel
-from laneserve.kernels import get_kernels
+from laneserve.kernels import CpuKernels, get_kernels
 from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.interface import PAGED, TOKEN_TABLES, CausalLM, DraftHead
 from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
@@ -98,11 +98,17 @@ class Worker:
         # NOTE: a data-parallel rank (never combined with tensor parallelism) has its own device
         index = config.parallel.data_parallel_rank + self.tp.rank
         self.device = rank_device(resolve_device(config.model.device), index)
+        self.kernels = get_kernels(self.device, enable=config.model.use_kernels)
         self.ckpt: Checkpoint = resolve_checkpoint(
-            config.model.model, config.model.dtype, self.device, config.model.gguf_weights
+            config.model.model,
+            config.model.dtype,
+            self.device,
+            config.model.gguf_weights,
+            # NOTE: shards are cut from dequantized values (config refuses "resident" there)
+            config.model.quantized_weights if self.tp.size == 1 else "dequantized",
+            native_scaled=isinstance(self.kernels, CpuKernels),
         )
         arch = self.ckpt.arch
-        self.kernels = get_kernels(self.device, enable=config.model.use_kernels)
         self.act_dtype = torch.float32 if self.device.type == "cpu" else self.ckpt.weight_dtype
         self.max_model_len = _max_model_len(config, self.ckpt)
         spec = config.speculative

@@ -19,13 +19,14 @@ PROTOCOL_OPS = sorted(
 
 def test_protocol_covers_the_extension_ops() -> None:
     """One contract per C++ op: the protocol's ops are exactly the ones the build checks,
-    except pack_gguf_weight (a repack in Python, quant.py); the ops behind `linear`
-    (AMX prompt rows, GGUF-packed weights, with fp32 or int8 activations) are the build's
+    except pack_gguf_weight / pack_scaled_weight (repacks in Python, quant.py / scaled.py);
+    the ops behind `linear` (AMX prompt rows, GGUF-packed weights, with fp32 or int8
+    activations, block-scaled FP8 / MXFP4 weights) are the build's
     INTERNAL_OPS."""
-    python_only = {"pack_gguf_weight"}
+    python_only = {"pack_gguf_weight", "pack_scaled_weight"}
     assert python_only <= set(PROTOCOL_OPS)
     assert sorted(kbuild.OPS) == sorted(set(PROTOCOL_OPS) - python_only)
-    internal = {"linear_prefill", "quant_linear", "quantize_q8", "quant_linear_q8"}
+    internal = {"linear_prefill", "quant_linear", "quantize_q8", "quant_linear_q8", "scaled_linear"}
     assert set(kbuild.INTERNAL_OPS) == internal
     assert not set(kbuild.INTERNAL_OPS) & set(PROTOCOL_OPS)
 

@@ -24,10 +24,10 @@ from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.arch import ArchConfig, DeepseekParams
 from laneserve.model.layers.attention import AttentionMetadata
 from laneserve.model.layers.decoder_stack import DecoderStack
-from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.linear import Linear, linear_weight
 from laneserve.model.layers.mla import MlaAttention
 from laneserve.model.layers.mlp import GatedMLP
-from laneserve.model.layers.moe import MoE
+from laneserve.model.layers.moe import MoE, fused
 from laneserve.model.layers.norm import RMSNorm
 from laneserve.model.layers.parallel_blocks import ReducedMLP, gated_mlp_shard, vocab_shard
 from laneserve.model.layers.rope import MlaRotary
@@ -61,8 +61,8 @@ class DeepseekLayer:
             mlp = gated_mlp_shard(kernels, get, m, arch.intermediate_size, what, tp)
             self.mlp = ReducedMLP(mlp, tp)
         elif dense:
-            gate_up = torch.cat([get(f"{m}.gate_proj.weight"), get(f"{m}.up_proj.weight")])
-            self.mlp = GatedMLP(kernels, gate_up, get(f"{m}.down_proj.weight"))
+            gate_up = fused(get, m, ("gate_proj", "up_proj"))
+            self.mlp = GatedMLP(kernels, gate_up, linear_weight(get, f"{m}.down_proj.weight"))
         else:
             self.mlp = MoE(_params(arch), kernels, get, m, tp)
         self.input_norm = RMSNorm(kernels, get(f"{prefix}.input_layernorm.weight"), eps)

@@ -26,7 +26,7 @@ from laneserve.model.arch import ArchConfig, UnsupportedModelError
 from laneserve.model.deepseek.model import DeepseekLayer, DeepseekModel
 from laneserve.model.interface import PAGED
 from laneserve.model.layers.attention import AttentionMetadata
-from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.linear import Linear, linear_weight
 from laneserve.model.layers.norm import RMSNorm
 from laneserve.model.layers.weights import WeightGetter
 
@@ -47,7 +47,7 @@ class DeepseekMtpHead:
         self.base, self.kernels = base, kernels
         self.enorm = RMSNorm(kernels, get(f"{prefix}.enorm.weight"), eps)
         self.hnorm = RMSNorm(kernels, get(f"{prefix}.hnorm.weight"), eps)
-        self.eh_proj = Linear(kernels, get(f"{prefix}.eh_proj.weight"), None)
+        self.eh_proj = Linear(kernels, linear_weight(get, f"{prefix}.eh_proj.weight"), None)
         dense = arch.num_layers < p.first_k_dense_replace
         # sharded as the target's layers; eh_proj and the norms are whole on every rank
         self.layer = DeepseekLayer(arch, kernels, get, prefix, base.rotary, dense, base.tp)

@@ -46,7 +46,7 @@ from laneserve.model.deepseek_v4.config import SLIDING, DeepseekV4Params
 from laneserve.model.deepseek_v4.ops import InterleavedRope, Norm, rms_unweighted
 from laneserve.model.deepseek_v4.parallel import GROUPS, HEADS, cols, rows
 from laneserve.model.layers.attention import TokenTableMetadata
-from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.linear import Linear, linear_weight
 from laneserve.model.layers.parallel import RowParallelLinear
 from laneserve.model.layers.weights import WeightGetter
 
@@ -72,15 +72,17 @@ class V4Attention:
         self.groups = p.o_groups // tp.size
 
         def lin(name: str) -> Linear:
-            return Linear(kernels, get(f"{prefix}.{name}.weight"), None)
+            return Linear(kernels, linear_weight(get, f"{prefix}.{name}.weight"), None)
 
         self.wq_a, self.wkv = lin("wq_a"), lin("wkv")
-        wq_b = rows(get, f"{prefix}.wq_b.weight", num_heads, d, HEADS, tp)
-        self.wq_b = Linear(kernels, wq_b, None)
-        wo_b = cols(get, f"{prefix}.wo_b.weight", p.o_groups, r, GROUPS, tp)
-        self.wo_b: Linear | RowParallelLinear = Linear(kernels, wo_b, None)
-        if tp.size > 1:
-            self.wo_b = RowParallelLinear(self.wo_b, tp)
+        if tp.size == 1:  # the checkpoint's fp8 kept as stored where the getter keeps it
+            self.wq_b = lin("wq_b")
+            self.wo_b: Linear | RowParallelLinear = lin("wo_b")
+        else:
+            wq_b = rows(get, f"{prefix}.wq_b.weight", num_heads, d, HEADS, tp)
+            self.wq_b = Linear(kernels, wq_b, None)
+            wo_b = cols(get, f"{prefix}.wo_b.weight", p.o_groups, r, GROUPS, tp)
+            self.wo_b = RowParallelLinear(Linear(kernels, wo_b, None), tp)
         self.q_norm = Norm(get(f"{prefix}.q_norm.weight", torch.float32), eps)
         # released: `attn.kv_norm`; transformers' save_pretrained writes `attn.norm`
         kv_norm = "norm" if prefix.startswith("model.") else "kv_norm"

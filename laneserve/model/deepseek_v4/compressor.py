@@ -29,7 +29,7 @@ from laneserve.model.deepseek_v4.caches import LayerCaches
 from laneserve.model.deepseek_v4.config import CSA, DeepseekV4Params
 from laneserve.model.deepseek_v4.ops import InterleavedRope, Norm
 from laneserve.model.layers.attention import TokenTableMetadata
-from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.linear import Linear, linear_weight
 from laneserve.model.layers.weights import WeightGetter
 
 
@@ -67,8 +67,7 @@ class _Pool:
     """One compressor's weights: window -> entry (see the module doc)."""
 
     def __init__(self, get: WeightGetter, stem: str, kernels: Kernels, eps: float) -> None:
-        self.wkv = get(f"{stem}.wkv.weight")
-        self.wgate = get(f"{stem}.wgate.weight")
+        self.stem = stem  # its wkv / wgate rows live in the Compressor's fused projection
         self.ape = get(f"{stem}.ape", torch.float32)  # [m, width]
         self.norm = Norm(get(f"{stem}.norm.weight", torch.float32), eps)
         self.width = int(self.ape.shape[1])
@@ -110,9 +109,10 @@ class Compressor:
         self.pools = [_Pool(get, f"{prefix}.compressor", kernels, eps)]
         if self.csa:
             self.pools.append(_Pool(get, f"{prefix}.indexer.compressor", kernels, eps))
-            self.iq = Linear(kernels, get(f"{prefix}.indexer.wq_b.weight"), None)
+            self.iq = Linear(kernels, linear_weight(get, f"{prefix}.indexer.wq_b.weight"), None)
             self.iw = Linear(kernels, get(f"{prefix}.indexer.weights_proj.weight"), None)
-        proj = torch.cat([w for pool in self.pools for w in (pool.wkv, pool.wgate)])
+        names = [f"{pool.stem}.{w}.weight" for pool in self.pools for w in ("wkv", "wgate")]
+        proj = torch.cat([get(n) for n in names])
         self.proj = Linear(kernels, proj, None)  # all [kv | gate] projections in one matmul
 
     def write(

@@ -20,8 +20,8 @@ from laneserve.kernels import Kernels
 from laneserve.model.arch import UnsupportedModelError
 from laneserve.model.deepseek_v4.config import DeepseekV4Params
 from laneserve.model.deepseek_v4.parallel import FEATURES, cols, rows
-from laneserve.model.layers.linear import Linear
-from laneserve.model.layers.moe import StackedExperts, grouped_experts
+from laneserve.model.layers.linear import Linear, linear_weight
+from laneserve.model.layers.moe import StackedExperts, fused, grouped_experts
 from laneserve.model.layers.weights import WeightGetter
 
 _SCORES = {
@@ -44,9 +44,13 @@ class _Expert:
         tp: TensorParallel,
     ) -> None:
         inter = p.moe_intermediate_size
-        w1, w3 = (rows(get, f"{stem}.{w}.weight", inter, 1, FEATURES, tp) for w in ("w1", "w3"))
-        self.w13 = Linear(kernels, torch.cat([w1, w3]), None)
-        self.w2 = Linear(kernels, cols(get, f"{stem}.w2.weight", inter, 1, FEATURES, tp), None)
+        if tp.size == 1:  # kept as stored (fp8 / fp4) where the getter keeps them so
+            self.w13 = Linear(kernels, fused(get, stem, ("w1", "w3")), None)
+            self.w2 = Linear(kernels, linear_weight(get, f"{stem}.w2.weight"), None)
+        else:
+            w1, w3 = (rows(get, f"{stem}.{w}.weight", inter, 1, FEATURES, tp) for w in ("w1", "w3"))
+            self.w13 = Linear(kernels, torch.cat([w1, w3]), None)
+            self.w2 = Linear(kernels, cols(get, f"{stem}.w2.weight", inter, 1, FEATURES, tp), None)
         self.kernels, self.limit = kernels, p.swiglu_limit
 
     def __call__(self, x: torch.Tensor, first_prefill: int | None = None) -> torch.Tensor:

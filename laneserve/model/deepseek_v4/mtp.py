@@ -31,7 +31,7 @@ from laneserve.model.deepseek_v4.model import DeepseekV4Model, V4Layer
 from laneserve.model.deepseek_v4.ops import HyperHead, Norm
 from laneserve.model.interface import TOKEN_TABLES
 from laneserve.model.layers.attention import TokenTableMetadata
-from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.linear import Linear, linear_weight
 from laneserve.model.layers.weights import WeightGetter
 
 PREFIX = "mtp.0"
@@ -51,8 +51,8 @@ class DeepseekV4MtpHead:
         self.base, self.kernels, self.n, self.eps = base, kernels, p.hc_mult, eps
         self.enorm = Norm(get(f"{PREFIX}.enorm.weight", torch.float32), eps)
         self.hnorm = Norm(get(f"{PREFIX}.hnorm.weight", torch.float32), eps)
-        self.e_proj = Linear(kernels, get(f"{PREFIX}.e_proj.weight"), None)
-        self.h_proj = Linear(kernels, get(f"{PREFIX}.h_proj.weight"), None)
+        self.e_proj = Linear(kernels, linear_weight(get, f"{PREFIX}.e_proj.weight"), None)
+        self.h_proj = Linear(kernels, linear_weight(get, f"{PREFIX}.h_proj.weight"), None)
         rope = base.main_rope
         self.layer = V4Layer(arch, kernels, get, PREFIX, SLIDING, False, rope, base.tp)
         self.hc_head = HyperHead(

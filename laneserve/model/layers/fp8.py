@@ -3,12 +3,17 @@
 A quantized matrix W [R, C] is stored as `float8_e4m3fn` values q with a scale
 per (bR x bC) block, `<name>_scale_inv` [ceil(R / bR), ceil(C / bC)] (the
 last row / column of blocks may be partial): W = q * scale_inv[block]. The
-loader dequantizes at load time to the run dtype.
+loader keeps the linear weights resident as stored (`resident`, kernels/scaled.py)
+with `quantized_weights="resident"`, or dequantizes them at load time to the run
+dtype (`dequantize`, `dequantize_scaled`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from laneserve.kernels import scaled
+from laneserve.kernels.scaled import ScaledWeight
 
 
 class UnsupportedQuantizationError(ValueError):
@@ -72,6 +77,24 @@ def quantize(
             scales[i, j] = s
             q[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = (tile / s).to(torch.float8_e4m3fn)
     return q, scales
+
+
+def resident(
+    q: torch.Tensor,  # float8_e4m3fn [R, C], or int8 fp4 pairs [R, ceil(C / 2)]
+    scale: torch.Tensor,  # its `_scale_inv` / `.scale` companion
+    block: tuple[int, int],  # fp8 block (config.json's weight_block_size)
+    shape: tuple[int, ...] | None,  # [R, C] where known (fp4 rows hold two columns a byte)
+) -> ScaledWeight:
+    """A checkpoint's fp8 / fp4 linear weight kept in its stored bytes (kernels/scaled.py).
+    Raises ValueError for wrong scale shapes or NaN values / scales."""
+    if q.dtype == torch.float8_e4m3fn:
+        w = scaled.from_fp8_blocks(q, scale, block)
+    else:
+        cols = shape[1] if shape is not None and len(shape) == 2 else 2 * int(q.shape[1])
+        w = scaled.from_fp4_packed(q, scale, cols)
+    if not scaled.check_finite(w):
+        raise ValueError("contains NaN or Inf values or scales")
+    return w
 
 
 # FP4 (e2m1) code -> value; a nibble's high bit is the sign

@@ -14,13 +14,16 @@ import torch
 
 from laneserve.kernels import Kernels, PackedWeight
 from laneserve.kernels.quant import QuantWeight
+from laneserve.kernels.scaled import ScaledWeight
+
+# A linear weight as a layer takes it: dense, GGUF blocks, or block-scaled fp8 / fp4
+LinearWeight = torch.Tensor | QuantWeight | ScaledWeight
 
 
-def linear_weight(
-    get: Any, name: str, default: torch.Tensor | None = None
-) -> torch.Tensor | QuantWeight:
+def linear_weight(get: Any, name: str, default: torch.Tensor | None = None) -> LinearWeight:
     """A linear weight from a weight getter: kept quantized where the getter offers that
-    (`WeightStore.quantized_linear`), else `default` if given, else `get(name)`."""
+    (`WeightStore.quantized_linear`: GGUF blocks, or a checkpoint's fp8 / fp4 blocks with
+    `quantized_weights="resident"`), else `default` if given, else `get(name)`."""
     quantized = getattr(get, "quantized_linear", None)
     q = quantized(name) if quantized is not None else None
     if q is not None:
@@ -34,16 +37,18 @@ class Linear:
     def __init__(
         self,
         kernels: Kernels,
-        weight: torch.Tensor | QuantWeight,  # a GGUF-quantized one stays quantized
+        weight: LinearWeight,  # a GGUF / fp8 / fp4 quantized one stays quantized
         bias: torch.Tensor | None,
         quantize: str | None = None,  # weight-only quantization at load (kernels.QUANTIZATIONS)
     ) -> None:
         self.kernels = kernels
-        self.weight: PackedWeight = (
-            kernels.pack_gguf_weight(weight)
-            if isinstance(weight, QuantWeight)
-            else kernels.pack_linear_weight(weight, quantize)
-        )
+        self.weight: PackedWeight
+        if isinstance(weight, QuantWeight):
+            self.weight = kernels.pack_gguf_weight(weight)
+        elif isinstance(weight, ScaledWeight):
+            self.weight = kernels.pack_scaled_weight(weight)
+        else:
+            self.weight = kernels.pack_linear_weight(weight, quantize)
         self.bias = bias
         self.out_features = int(weight.shape[0])
 

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import Kernels
 from laneserve.kernels.base import PAGED_ATTENTION_MAX_HEAD_DIM
+from laneserve.kernels.quant import cat_rows
 from laneserve.model.arch import ArchConfig
 from laneserve.model.layers.attention import AttentionMetadata, PrefillSpan
-from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.linear import Linear, linear_weight
 from laneserve.model.layers.norm import RMSNorm
 from laneserve.model.layers.parallel import RowParallelLinear, column_weight, row_weight
 from laneserve.model.layers.rope import MlaRotary, softmax_scale
@@ -57,23 +58,34 @@ class MlaAttention:
         # q LoRA (q_a -> norm -> q_b) or a plain q_proj. With q LoRA, q_a and kv_a read
         # the same input: one fused projection (each output is the same FMA chain).
         self.q_norm: RMSNorm | None = None
-        kv_a, kv_a_bias = get(f"{a}.kv_a_proj_with_mqa.weight"), bias("kv_a_proj_with_mqa")
+        kv_a = linear_weight(get, f"{a}.kv_a_proj_with_mqa.weight")
+        kv_a_bias = bias("kv_a_proj_with_mqa")
         self.q_a_rank = 0
         if p.q_lora_rank is None:
-            self.q_proj = Linear(kernels, _heads(get, f"{a}.q_proj", arch, p.qk_head_dim, tp), None)
+            q = f"{a}.q_proj"
+            w = (
+                linear_weight(get, f"{q}.weight")
+                if tp.size == 1
+                else _heads(get, q, arch, p.qk_head_dim, tp)
+            )
+            self.q_proj = Linear(kernels, w, None)
             self.in_proj = Linear(kernels, kv_a, kv_a_bias)
         else:
             self.q_a_rank = p.q_lora_rank
             self.q_norm = RMSNorm(kernels, get(f"{a}.q_a_layernorm.weight"), eps)
-            q_b = _heads(get, f"{a}.q_b_proj", arch, p.qk_head_dim, tp)
-            self.q_proj = Linear(kernels, q_b, None)
+            q = f"{a}.q_b_proj"
+            w = (
+                linear_weight(get, f"{q}.weight")
+                if tp.size == 1
+                else _heads(get, q, arch, p.qk_head_dim, tp)
+            )
+            self.q_proj = Linear(kernels, w, None)
             q_a_bias = bias("q_a_proj")
             fused_bias = None
             if q_a_bias is not None and kv_a_bias is not None:
                 fused_bias = torch.cat([q_a_bias, kv_a_bias])
-            self.in_proj = Linear(
-                kernels, torch.cat([get(f"{a}.q_a_proj.weight"), kv_a]), fused_bias
-            )
+            q_a = linear_weight(get, f"{a}.q_a_proj.weight")
+            self.in_proj = Linear(kernels, cat_rows([q_a, kv_a]), fused_bias)
         self.kv_norm = RMSNorm(kernels, get(f"{a}.kv_a_layernorm.weight"), eps)
         # [H * (nope + v), r] (its rows for this rank's heads)
         kv_b = _heads(get, f"{a}.kv_b_proj", arch, p.qk_nope_head_dim + p.v_head_dim, tp)
@@ -92,7 +104,11 @@ class MlaAttention:
             and p.latent_dim % 8 == 0
             and p.latent_dim <= PAGED_ATTENTION_MAX_HEAD_DIM
         )
-        self.o_proj = _o_proj(kernels, get, a, arch, bias("o_proj"), tp)
+        if tp.size == 1:  # the checkpoint's fp8 kept as stored where the getter keeps it
+            o_proj = linear_weight(get, f"{a}.o_proj.weight")
+            self.o_proj: Linear | RowParallelLinear = Linear(kernels, o_proj, bias("o_proj"))
+        else:
+            self.o_proj = _o_proj(kernels, get, a, arch, bias("o_proj"), tp)
         self.scale = softmax_scale(arch.rope_scaling or {}, p.qk_head_dim)
 
     def __call__(

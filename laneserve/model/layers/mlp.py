@@ -5,16 +5,15 @@ from __future__ import annotations
 import torch
 
 from laneserve.kernels import Kernels
-from laneserve.kernels.quant import QuantWeight
-from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.linear import Linear, LinearWeight
 
 
 class GatedMLP:
     def __init__(
         self,
         kernels: Kernels,
-        gate_up: torch.Tensor | QuantWeight,
-        down: torch.Tensor | QuantWeight,
+        gate_up: LinearWeight,
+        down: LinearWeight,
         quantize: str | None = None,
     ) -> None:
         self.kernels = kernels

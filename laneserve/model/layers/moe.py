@@ -31,9 +31,10 @@ import torch
 
 from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import Kernels
+from laneserve.kernels.quant import cat_rows
 from laneserve.kernels.reference import LAYOUT_TORCH
 from laneserve.model.arch import DeepseekParams
-from laneserve.model.layers.linear import Linear
+from laneserve.model.layers.linear import Linear, LinearWeight, linear_weight
 from laneserve.model.layers.mlp import GatedMLP
 from laneserve.model.layers.parallel_blocks import expert_shards, gated_mlp_shard
 from laneserve.model.layers.weights import WeightGetter
@@ -98,13 +99,16 @@ class MoE:
             self.bias = get(f"{prefix}.gate.e_score_correction_bias", torch.float32)
         x = f"{prefix}.experts"
         # per expert: gate and up rows fused (one matmul), then down; through the kernels,
-        # which keep bf16 weights as they are and accumulate in fp32 on CPU
+        # which keep bf16 (and resident fp8) weights as they are, accumulating in fp32 on CPU
+        w13: Sequence[LinearWeight]
+        w2: Sequence[LinearWeight]
         if tp.size == 1:
             w13 = [
-                torch.cat([get(f"{x}.{i}.gate_proj.weight"), get(f"{x}.{i}.up_proj.weight")])
-                for i in range(p.n_routed_experts)
+                fused(get, f"{x}.{i}", ("gate_proj", "up_proj")) for i in range(p.n_routed_experts)
             ]
-            w2 = [get(f"{x}.{i}.down_proj.weight") for i in range(p.n_routed_experts)]
+            w2 = [
+                linear_weight(get, f"{x}.{i}.down_proj.weight") for i in range(p.n_routed_experts)
+            ]
         else:
             w13, w2 = expert_shards(get, x, p.n_routed_experts, p.moe_intermediate_size, tp)
         self.w13 = [Linear(kernels, w, None) for w in w13]
@@ -139,8 +143,14 @@ def _shared_experts(
     if tp.size > 1:  # features of all the shared experts, side by side in the checkpoint
         inter = p.moe_intermediate_size * p.n_shared_experts
         return gated_mlp_shard(kernels, get, s, inter, "shared experts' intermediate size", tp)
-    gate_up = torch.cat([get(f"{s}.gate_proj.weight"), get(f"{s}.up_proj.weight")])
-    return GatedMLP(kernels, gate_up, get(f"{s}.down_proj.weight"))
+    gate_up = fused(get, s, ("gate_proj", "up_proj"))
+    return GatedMLP(kernels, gate_up, linear_weight(get, f"{s}.down_proj.weight"))
+
+
+def fused(get: WeightGetter, stem: str, names: Sequence[str]) -> LinearWeight:
+    """`<stem>.<name>.weight` for each name, concatenated along N (kept quantized where
+    the getter keeps them so: `linear_weight`)."""
+    return cat_rows([linear_weight(get, f"{stem}.{n}.weight") for n in names])
 
 
 ExpertFn = Callable[[int, torch.Tensor, int | None], torch.Tensor]  # (e, rows, first_prefill)

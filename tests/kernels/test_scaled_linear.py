@@ -1,0 +1,176 @@
+"""Block-scaled FP8 / MXFP4 weights kept as stored (scaled.py, scaled_linear.cpp): the
+dequantizer equals the load-time one, the AVX2 kernel is bitwise the fp32 linear kernel
+on the dequantized weight (its FMA chain is the same) for shapes that do not divide the
+blocks, batch invariant; the torch reference agrees within fp32 summation-order noise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from laneserve.kernels import CpuKernels, TorchKernels, scaled
+from laneserve.kernels.scaled import ScaledWeight
+from laneserve.model.layers import fp8
+
+
+def random_fp8(n: int, k: int, block: tuple[int, int], seed: int) -> ScaledWeight:
+    """Every e4m3 byte but NaN (subnormals and -0 included), V3-style fp32 block scales."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0x3C
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    s = torch.rand(grid, generator=g) * 2.0 ** torch.randint(-12, -4, grid, generator=g).float()
+    return scaled.from_fp8_blocks(raw.view(torch.float8_e4m3fn), s, block)
+
+
+def random_fp4(n: int, k: int, seed: int) -> ScaledWeight:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, -(-k // 2)), generator=g, dtype=torch.uint8)
+    exps = torch.randint(110, 135, (n, -(-k // 32)), generator=g, dtype=torch.uint8)
+    return scaled.from_fp4_packed(raw.view(torch.int8), exps.view(torch.float8_e8m0fnu), k)
+
+
+def make(fmt: str, n: int, k: int, seed: int) -> ScaledWeight:
+    if fmt == "fp4":
+        return random_fp4(n, k, seed)
+    block = (128, 128) if seed % 2 else (16, 48)  # V3 / V4's 128 x 128, and another grid
+    return random_fp8(n, k, block, seed)
+
+
+# (M, N, K): N and K off the 16 / 32 / 128 blocks, odd K for fp4's last half byte
+SHAPES = [(1, 7, 33), (3, 129, 200), (5, 40, 64), (6, 16, 257), (13, 150, 130), (2, 300, 1000)]
+
+
+def test_dequantize_equals_the_load_time_dequantizers() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 300, generator=g) * 0.05
+    q, s = fp8.quantize(w, (128, 128))
+    got = scaled.dequantize(scaled.from_fp8_blocks(q, s, (128, 128)))
+    assert torch.equal(got, fp8.dequantize(q, s, (128, 128)))
+    for fp4 in (False, True):
+        q, s = fp8.quantize_ue8m0(w, fp4)
+        sw = scaled.from_fp4_packed(q, s, 300) if fp4 else scaled.from_fp8_blocks(q, s, (128, 128))
+        assert torch.equal(scaled.dequantize(sw), fp8.dequantize_scaled(q, s))
+        assert scaled.dequantize_rows(sw, 130, 200).equal(scaled.dequantize(sw)[130:200])
+
+
+def test_fp4_nibble_order_and_values() -> None:
+    """Low nibble = even column (DeepSeek's unpack: `u & 0x0F` first, then `u >> 4`)."""
+    data = torch.tensor([[0x1F, 0x80 | 0x07]], dtype=torch.uint8)  # codes 15, 1, 0, 8
+    scale = torch.tensor([[128]], dtype=torch.uint8)  # 2 ** 1
+    w = ScaledWeight(data, scale, "fp4", 3, 32)
+    got = scaled.dequantize(w)
+    assert got.tolist() == [[-12.0, 1.0, 12.0]]
+
+
+@pytest.mark.parametrize("fmt", scaled.FORMATS)
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_cpu_kernel_bitwise_the_fp32_kernel_on_dequantized(
+    ck: CpuKernels, fmt: str, m: int, n: int, k: int
+) -> None:
+    w = make(fmt, n, k, seed=m * 7 + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    bias = torch.randn(n) if n % 2 else None
+    packed = ck.pack_scaled_weight(w)
+    assert packed.layout == f"scaled-{fmt}-blocked16" and packed.dtype == torch.uint8
+    got = ck.linear(x, packed, bias)
+    want = ck.linear(x, ck.pack_linear_weight(scaled.dequantize(w)), bias)
+    assert torch.equal(got, want)
+    rows = [ck.linear(x[i : i + 1], packed, bias) for i in range(m)]  # batch invariant
+    assert torch.equal(torch.cat(rows), got)
+    # the prompt-row argument takes the same path (no other numerics for these weights)
+    assert torch.equal(ck.linear(x, packed, bias, first_prefill=0), got)
+
+
+@pytest.mark.parametrize("fmt", scaled.FORMATS)
+def test_cpu_kernel_keeps_the_stored_bytes(ck: CpuKernels, fmt: str) -> None:
+    w = make(fmt, 64, 256, seed=3)
+    packed = ck.pack_scaled_weight(w)
+    assert packed.data.numel() == w.data.numel()  # 64 rows: no padding, a transpose
+    assert sorted(packed.data.flatten().tolist()) == sorted(w.data.flatten().tolist())
+
+
+@pytest.mark.parametrize("fmt", scaled.FORMATS)
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_torch_reference_close_to_dense_fp32(
+    tk: TorchKernels, fmt: str, m: int, n: int, k: int
+) -> None:
+    """The reference dequantizes 128 rows at a time and multiplies in fp32: the same
+    products, summed in BLAS's order, so equal up to fp32 summation noise (1e-5)."""
+    w = make(fmt, n, k, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(n)
+    packed = tk.pack_scaled_weight(w)
+    assert packed.data is w.data  # resident as stored
+    got = tk.linear(x, packed, bias)
+    dense = scaled.dequantize(w)
+    want = F.linear(x.double(), dense.double(), bias.double()).float()
+    scale = float(x.abs().sum(1).max() * dense.abs().max())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * scale + 1e-6)
+    assert tk.linear(x.bfloat16(), packed, bias.bfloat16()).dtype == torch.bfloat16
+
+
+def test_reference_never_dequantizes_more_than_a_row_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[int] = []
+    real = scaled.dequantize_rows
+
+    def spy(w: ScaledWeight, start: int, stop: int) -> torch.Tensor:
+        seen.append(stop - start)
+        return real(w, start, stop)
+
+    monkeypatch.setattr(scaled, "dequantize_rows", spy)
+    w = make("fp4", 300, 64, seed=1)
+    scaled.reference_linear(torch.randn(2, 64), w)
+    assert seen == [128, 128, 44]
+
+
+def test_cat_rows_and_bad_shapes() -> None:
+    a, b = make("fp4", 5, 64, 1), make("fp4", 3, 64, 2)
+    cat = scaled.cat_rows([a, b])
+    assert cat is not None and cat.shape == (8, 64)
+    assert torch.equal(scaled.dequantize(cat), torch.cat([scaled.dequantize(p) for p in (a, b)]))
+    assert scaled.cat_rows([a, make("fp8", 3, 64, 1)]) is None
+    with pytest.raises(ValueError, match="uint8"):
+        ScaledWeight(torch.zeros(4, 31, dtype=torch.uint8), a.scale[:4], "fp4", 64, 32)
+    with pytest.raises(ValueError, match="scale"):
+        ScaledWeight(a.data, a.scale[:, :1], "fp4", 64, 32)
+    with pytest.raises(ValueError, match="format"):
+        ScaledWeight(a.data, a.scale, "fp6", 64, 32)
+    with pytest.raises(ValueError, match="scale grid"):
+        scaled.from_fp8_blocks(torch.zeros(4, 8).to(torch.float8_e4m3fn), torch.ones(2, 1), (2, 4))
+    with pytest.raises(ValueError, match="ue8m0"):
+        scaled.from_fp4_packed(a.data, a.scale.float(), 64)
+
+
+def test_cpu_op_rejects_mismatched_inputs(ck: CpuKernels) -> None:
+    packed = ck.pack_scaled_weight(make("fp8", 20, 64, 1))
+    with pytest.raises(RuntimeError, match="uint8"):
+        ck.linear(torch.randn(1, 65), packed)
+    with pytest.raises(RuntimeError, match="float32"):
+        ck.linear(torch.randn(1, 64).double(), packed)
+
+
+def test_non_finite_values_are_found() -> None:
+    w = make("fp8", 4, 16, 1)
+    assert scaled.check_finite(w)
+    bad = w.data.clone()
+    bad[2, 3] = 0xFF
+    assert not scaled.check_finite(ScaledWeight(bad, w.scale, "fp8", 16, w.group))
+    f = make("fp4", 4, 16, 1)
+    assert scaled.check_finite(f)
+    s = f.scale.clone()
+    s[1, 0] = 0xFF
+    assert not scaled.check_finite(ScaledWeight(f.data, s, "fp4", 16, 32))
+
+
+def test_cpu_kernel_nan_bytes_give_nan(ck: CpuKernels) -> None:
+    """A NaN e4m3 byte (0x7f / 0xff; refused at load) still reads as NaN, as dequantized."""
+    w = make("fp8", 16, 32, 1)
+    bad = w.data.clone()
+    bad[3, 5], bad[9, 0] = 0x7F, 0xFF
+    packed = ck.pack_scaled_weight(ScaledWeight(bad, w.scale, "fp8", 32, w.group))
+    out = ck.linear(torch.ones(1, 32), packed)
+    assert torch.isnan(out[0]).nonzero().flatten().tolist() == [3, 9]
