@@ -90,7 +90,7 @@ class V4Attention:
         wo_a = rows(get, f"{prefix}.wo_a.weight", p.o_groups, r, GROUPS, tp)  # [G R, H D / G]
         self.wo_a = wo_a.view(self.groups, r, -1)  # [G, R, H * D / G]
         self.sinks = rows(get, f"{prefix}.attn_sink", num_heads, 1, HEADS, tp, torch.float32)
-        assert self.sinks.shape == (self.heads,) and wq_b.shape[0] == self.heads * d
+        assert self.sinks.shape == (self.heads,) and self.wq_b.out_features == self.heads * d
         self.scale = d**-0.5
         self.compressor = None
         if layer_type != SLIDING:
