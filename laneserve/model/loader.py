@@ -90,7 +90,9 @@ def resolve_checkpoint(
 ) -> Checkpoint:
     """`gguf_weights="quantized"` or `"q8-dot"`: a GGUF file's supported linear weights stay
     quantized (CPU only; `gguf_native.py`; q8-dot multiplies them by int8 activations,
-    `kernels/q8.py`), the rest is dequantized to `dtype` as before."""
+    `kernels/q8.py`), the rest is dequantized to `dtype` as before. `"auto"` reads as
+    `"quantized"` here; the worker resolves it once its kernels are known
+    (`resolve_gguf_weights`)."""
     path = Path(model).expanduser() if model else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
@@ -120,6 +122,15 @@ def resolve_checkpoint(
         gguf_quantized=path if native else None,
         gguf_activations="q8" if gguf_weights == "q8-dot" else "fp32",
     )
+
+
+def resolve_gguf_weights(requested: str, dtype: str, int8_dot: bool) -> str:
+    """`gguf_weights="auto"` (the default) as a mode: `"q8-dot"` where the CPU kernels
+    multiply int8 activations natively (`int8_dot`: AVX-512 VNNI) and the dtype is not an
+    explicit `float32`, else `"quantized"` (exact fp32 arithmetic). A named mode stays."""
+    if requested != "auto":
+        return requested
+    return "q8-dot" if int8_dot and dtype != "float32" else "quantized"
 
 
 def _read_config(directory: Path) -> dict:

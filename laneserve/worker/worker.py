@@ -27,10 +27,16 @@ from laneserve import protocol
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import read_lookahead
 from laneserve.distributed.parallel_state import SINGLE
-from laneserve.kernels import get_kernels
+from laneserve.kernels import CpuKernels, get_kernels
 from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.interface import PAGED, TOKEN_TABLES, CausalLM, DraftHead
-from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
+from laneserve.model.loader import (
+    Checkpoint,
+    WeightStore,
+    resolve_checkpoint,
+    resolve_device,
+    resolve_gguf_weights,
+)
 from laneserve.model.registry import dtype_bytes, family_for, open_weights
 from laneserve.obs.lane_times import LaneClock
 from laneserve.obs.profiling import Tracer
@@ -85,11 +91,15 @@ class Worker:
         self.group = group
         self.tp = group.tp if group is not None else SINGLE
         self.device = rank_device(resolve_device(config.model.device), self.tp.rank)
-        self.ckpt: Checkpoint = resolve_checkpoint(
-            config.model.model, config.model.dtype, self.device, config.model.gguf_weights
-        )
+        m = config.model
+        # the checkpoint before the kernels: a bad --model fails before any kernel build
+        self.ckpt: Checkpoint = resolve_checkpoint(m.model, m.dtype, self.device, m.gguf_weights)
+        self.kernels = get_kernels(self.device, enable=m.use_kernels)
+        vnni = isinstance(self.kernels, CpuKernels) and self.kernels.vnni
+        self.gguf_weights = resolve_gguf_weights(m.gguf_weights, m.dtype, vnni)
+        if self.gguf_weights != "quantized" and m.gguf_weights == "auto":  # read as quantized
+            self.ckpt = resolve_checkpoint(m.model, m.dtype, self.device, self.gguf_weights)
         arch = self.ckpt.arch
-        self.kernels = get_kernels(self.device, enable=config.model.use_kernels)
         self.act_dtype = torch.float32 if self.device.type == "cpu" else self.ckpt.weight_dtype
         self.max_model_len = _max_model_len(config, self.ckpt)
         spec = config.speculative
@@ -214,13 +224,14 @@ class Worker:
 
     def _log_ready(self) -> None:
         log.info(
-            "worker ready: %s %s on %s, %s KV blocks of %d tokens, kernels=%s, %.1f s",
+            "worker ready: %s %s on %s, %s KV blocks of %d tokens, kernels=%s%s, %.1f s",
             self.ckpt.arch.architecture,
             str(self.ckpt.weight_dtype).removeprefix("torch."),
             self.device,
             self.num_blocks,
             self.block_size,
             type(self.kernels).__name__,
+            f", GGUF weights {self.gguf_weights}" if self.ckpt.gguf_quantized else "",
             self.load_s,
         )
 
