@@ -17,6 +17,7 @@ from laneserve.bench.quality_metrics import Scores, windows
 from laneserve.engine_args import EngineArgs
 from laneserve.entrypoints.cli import build_parser
 from laneserve.entrypoints.cli import main as cli_main
+from laneserve.kernels import get_kernels
 from tests.tiny_models import CORPUS, build_tiny_model, write_tiny_gguf
 
 N_CTX = 48
@@ -66,9 +67,25 @@ def test_perplexity_equals_transformers_and_exact_kl_is_zero(tiny: dict[str, Pat
     assert rows["bf16"]["mean_kl"] > 0.0
 
 
-def test_q8_dot_on_a_gguf_differs_slightly(tiny: dict[str, Path]) -> None:
-    result = bq.measure(EngineArgs(model=str(tiny["gguf"])), ["exact", "q8-dot"], TEXT, N_CTX, 2)
+def test_the_command_on_a_gguf_scores_every_mode(
+    tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default modes of a GGUF file (exact, default, q8-dot), end to end through the
+    command line: exit 0, finite perplexities, KL 0 for exact and > 0 for q8-dot."""
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    argv = ["bench", "quality", "--text", str(text), "--model", str(tiny["gguf"])]
+    assert cli_main([*argv, "--ctx-size", str(N_CTX), "--chunks", "2"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out.strip().splitlines()[-1])
     rows = result["rows"]
+    assert list(rows) == ["exact (reference)", "exact", "default", "q8-dot"]
+    assert all(math.isfinite(r["perplexity"]) for r in rows.values())
+    assert "| q8-dot |" in err and "| default |" in err
+    # the default is q8-dot where the CPU kernels have VNNI, else the exact path
+    vnni = getattr(get_kernels(torch.device("cpu")), "vnni", False)
+    want = "q8 activations" if vnni else "fp32 activations"
+    assert rows["default"]["numerics"] == f"bfloat16, GGUF weights quantized, {want}"
     assert rows["exact"]["mean_kl"] == 0.0
     q8 = rows["q8-dot"]
     # each engine ran the numerics it names (the GGUF kept quantized in both)
