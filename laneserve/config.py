@@ -17,9 +17,11 @@ import msgspec
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 WORKER_MODES = ("thread", "process")
-# GGUF linear weights: kept in their quantized blocks (CPU kernels; "q8-dot" also rounds the
-# activations to int8 per 32 for integer dot products) or dequantized to dtype
-GGUF_WEIGHTS = ("quantized", "q8-dot", "dequantized")
+# GGUF linear weights: kept in their quantized blocks (CPU kernels; "quantized" multiplies
+# them in exact fp32, "q8-dot" rounds the activations to int8 per 32 for integer dot
+# products) or dequantized to dtype; "auto": q8-dot where the CPU has AVX-512 VNNI and the
+# dtype is not an explicit float32, else quantized (model/loader.py resolve_gguf_weights)
+GGUF_WEIGHTS = ("auto", "quantized", "q8-dot", "dequantized")
 # A checkpoint's block-scaled fp8 / MXFP4 linear weights (DeepSeek V3 / V4): kept resident
 # as stored (kernels/scaled.py) or dequantized to dtype at load; auto: resident where the
 # CPU kernels multiply them natively, else dequantized
@@ -40,7 +42,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tokenizer_mode: str = "auto"  # chat format: auto (by architecture), hf (Jinja) or a name
     skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts and outputs only
     generation_config: str = "vllm"  # "auto": the model's generation_config.json defaults
-    gguf_weights: str = "quantized"  # one of GGUF_WEIGHTS (CPU only; see docs/kernels.md)
+    gguf_weights: str = "auto"  # one of GGUF_WEIGHTS (CPU only; see docs/kernels.md)
     quantized_weights: str = "auto"  # one of QUANTIZED_WEIGHTS (docs/models.md)
     enforce_eager: bool = False  # CUDA: no decode graphs (CPU always runs eagerly)
     max_logprobs: int = 20  # most logprobs / prompt_logprobs per request (--max-logprobs)

@@ -99,10 +99,11 @@ class EngineArgs:
     gguf_weights: str = _from_config(
         ModelConfig,
         "gguf_weights",
-        "GGUF files on CPU: keep q4_0/q4_1/q8_0/q4_k linear weights quantized (the same "
-        "results as dtype float32); q8-dot: keep them quantized and round activations to "
-        "int8 per 32 for integer dot products (llama.cpp's arithmetic, fastest); or "
-        "dequantize every weight to --dtype",
+        "GGUF files on CPU: quantized keeps q4_0/q4_1/q8_0/q4_k linear weights quantized, "
+        "multiplied in exact fp32 (the results of dtype float32); q8-dot keeps them and "
+        "rounds activations to int8 per 32 for integer dot products (llama.cpp's "
+        "arithmetic); dequantized: every weight to --dtype; auto: q8-dot where the CPU has "
+        "AVX-512 VNNI and --dtype is not float32, else quantized",
         choices=GGUF_WEIGHTS,
     )
     quantized_weights: str = _from_config(

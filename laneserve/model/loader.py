@@ -102,7 +102,9 @@ def resolve_checkpoint(
 ) -> Checkpoint:
     """`gguf_weights="quantized"` or `"q8-dot"`: a GGUF file's supported linear weights stay
     quantized (CPU only; `gguf_native.py`; q8-dot multiplies them by int8 activations,
-    `kernels/q8.py`), the rest is dequantized to `dtype` as before.
+    `kernels/q8.py`), the rest is dequantized to `dtype` as before. `"auto"` reads as
+    `"quantized"` here; the worker resolves it once its kernels are known
+    (`resolve_gguf_weights`).
     `quantized_weights` (config.QUANTIZED_WEIGHTS): a checkpoint's fp8 / fp4 linear weights
     kept "resident" as stored or "dequantized" at load; "auto": resident where the kernels
     multiply them natively (`native_scaled`; None: the device is a CPU), else dequantized
@@ -144,6 +146,15 @@ def resolve_checkpoint(
         gguf_activations="q8" if gguf_weights == "q8-dot" else "fp32",
         quantized_weights=quantized_weights,
     )
+
+
+def resolve_gguf_weights(requested: str, dtype: str, int8_dot: bool) -> str:
+    """`gguf_weights="auto"` (the default) as a mode: `"q8-dot"` where the CPU kernels
+    multiply int8 activations natively (`int8_dot`: AVX-512 VNNI) and the dtype is not an
+    explicit `float32`, else `"quantized"` (exact fp32 arithmetic). A named mode stays."""
+    if requested != "auto":
+        return requested
+    return "q8-dot" if int8_dot and dtype != "float32" else "quantized"
 
 
 def _read_config(directory: Path) -> dict:

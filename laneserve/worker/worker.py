@@ -30,7 +30,13 @@ from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import CpuKernels, get_kernels
 from laneserve.kv_cache_interface import CacheGroupSpec
 from laneserve.model.interface import PAGED, TOKEN_TABLES, CausalLM, DraftHead
-from laneserve.model.loader import Checkpoint, WeightStore, resolve_checkpoint, resolve_device
+from laneserve.model.loader import (
+    Checkpoint,
+    WeightStore,
+    resolve_checkpoint,
+    resolve_device,
+    resolve_gguf_weights,
+)
 from laneserve.model.registry import dtype_bytes, family_for, open_weights
 from laneserve.obs.lane_times import LaneClock
 from laneserve.obs.profiling import TP_ROLE, Tracer
@@ -98,14 +104,17 @@ class Worker:
         # NOTE: a data-parallel rank (never combined with tensor parallelism) has its own device
         index = config.parallel.data_parallel_rank + self.tp.rank
         self.device = rank_device(resolve_device(config.model.device), index)
-        self.kernels = get_kernels(self.device, enable=config.model.use_kernels)
+        m = config.model
+        self.kernels = get_kernels(self.device, enable=m.use_kernels)
+        vnni = isinstance(self.kernels, CpuKernels) and self.kernels.vnni
+        self.gguf_weights = resolve_gguf_weights(m.gguf_weights, m.dtype, vnni)
         self.ckpt: Checkpoint = resolve_checkpoint(
-            config.model.model,
-            config.model.dtype,
+            m.model,
+            m.dtype,
             self.device,
-            config.model.gguf_weights,
+            self.gguf_weights,
             # NOTE: shards are cut from dequantized values (config refuses "resident" there)
-            config.model.quantized_weights if self.tp.size == 1 else "dequantized",
+            m.quantized_weights if self.tp.size == 1 else "dequantized",
             native_scaled=isinstance(self.kernels, CpuKernels),
         )
         arch = self.ckpt.arch
@@ -234,13 +243,14 @@ class Worker:
 
     def _log_ready(self) -> None:
         log.info(
-            "worker ready: %s %s on %s, %s KV blocks of %d tokens, kernels=%s, %.1f s",
+            "worker ready: %s %s on %s, %s KV blocks of %d tokens, kernels=%s%s, %.1f s",
             self.ckpt.arch.architecture,
             str(self.ckpt.weight_dtype).removeprefix("torch."),
             self.device,
             self.num_blocks,
             self.block_size,
             type(self.kernels).__name__,
+            f", GGUF weights {self.gguf_weights}" if self.ckpt.gguf_quantized else "",
             self.load_s,
         )
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from laneserve import LLM, SamplingParams
-from laneserve.kernels import quant
+from laneserve.kernels import CpuKernels, quant
 from laneserve.kernels.quant import QuantWeight
-from laneserve.model.loader import resolve_checkpoint
+from laneserve.model.loader import resolve_checkpoint, resolve_gguf_weights
 from laneserve.model.registry import open_weights
 from tests.tiny_models import build_tiny_model, write_tiny_gguf
 
@@ -91,3 +91,45 @@ def test_q8_dot_speculative_equals_plain(tiny_gguf: Path) -> None:
     )
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] > 0, stats
     assert spec == plain
+
+
+@pytest.mark.parametrize(
+    ("requested", "dtype", "int8_dot", "mode"),
+    [
+        ("auto", "auto", True, "q8-dot"),  # the fast path where the CPU has VNNI
+        ("auto", "bfloat16", True, "q8-dot"),
+        ("auto", "float32", True, "quantized"),  # float32 means exact
+        ("auto", "auto", False, "quantized"),  # no VNNI: the exact path
+        ("quantized", "auto", True, "quantized"),  # a named mode stays
+        ("q8-dot", "float32", False, "q8-dot"),
+        ("dequantized", "auto", True, "dequantized"),
+    ],
+)
+def test_auto_gguf_weights_resolve(requested: str, dtype: str, int8_dot: bool, mode: str) -> None:
+    assert resolve_gguf_weights(requested, dtype, int8_dot) == mode
+
+
+def _default_run(path: Path, **kwargs: object) -> tuple[str, str, list[list[int]]]:
+    """(the resolved mode, the checkpoint's activations, greedy tokens) of `gguf_weights`
+    left at its default."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(path), max_model_len=64, **kwargs) as llm:  # type: ignore[arg-type]
+        worker = llm.engine.client.worker  # type: ignore[attr-defined]
+        outs = llm.generate([{"prompt_token_ids": [5, 9, 11]}], params, use_tqdm=False)
+        vnni = isinstance(worker.kernels, CpuKernels) and worker.kernels.vnni
+        mode, act = worker.gguf_weights, worker.ckpt.gguf_activations
+    assert act == ("q8" if mode == "q8-dot" else "fp32")
+    return mode, ("vnni" if vnni else "no-vnni"), [o.outputs[0].token_ids for o in outs]
+
+
+def test_default_gguf_weights_engage_by_cpu_and_float32_stays_exact(tiny_gguf: Path) -> None:
+    mode, cpu, _ = _default_run(tiny_gguf, worker_mode="thread")
+    assert mode == ("q8-dot" if cpu == "vnni" else "quantized"), (mode, cpu)
+    exact_mode, _, exact = _default_run(tiny_gguf, worker_mode="thread", dtype="float32")
+    assert exact_mode == "quantized"
+    assert (
+        exact
+        == _default_run(tiny_gguf, worker_mode="thread", dtype="float32", gguf_weights="quantized")[
+            2
+        ]
+    )
