@@ -105,18 +105,13 @@ class Worker:
         index = config.parallel.data_parallel_rank + self.tp.rank
         self.device = rank_device(resolve_device(config.model.device), index)
         m = config.model
+        # the checkpoint before the kernels: a bad --model fails before any kernel build
+        self.ckpt: Checkpoint = self._checkpoint(m.gguf_weights)
         self.kernels = get_kernels(self.device, enable=m.use_kernels)
         vnni = isinstance(self.kernels, CpuKernels) and self.kernels.vnni
         self.gguf_weights = resolve_gguf_weights(m.gguf_weights, m.dtype, vnni)
-        self.ckpt: Checkpoint = resolve_checkpoint(
-            m.model,
-            m.dtype,
-            self.device,
-            self.gguf_weights,
-            # NOTE: shards are cut from dequantized values (config refuses "resident" there)
-            m.quantized_weights if self.tp.size == 1 else "dequantized",
-            native_scaled=isinstance(self.kernels, CpuKernels),
-        )
+        if self.gguf_weights != "quantized" and m.gguf_weights == "auto":  # read as quantized
+            self.ckpt = self._checkpoint(self.gguf_weights)
         arch = self.ckpt.arch
         self.act_dtype = torch.float32 if self.device.type == "cpu" else self.ckpt.weight_dtype
         self.max_model_len = _max_model_len(config, self.ckpt)
@@ -348,6 +343,20 @@ class Worker:
         if self.group is not None and self.group.leader:
             self._send_to_followers(item, pending)
         return pending
+
+    def _checkpoint(self, gguf_weights: str) -> Checkpoint:
+        m = self.config.model
+        return resolve_checkpoint(
+            m.model,
+            m.dtype,
+            self.device,
+            gguf_weights,
+            # NOTE: shards are cut from dequantized values (config refuses "resident" there)
+            m.quantized_weights if self.tp.size == 1 else "dequantized",
+            # the CPU kernels multiply fp8 / fp4 as stored; the torch path would dequantize
+            # row blocks on every call (the slow path)
+            native_scaled=self.device.type == "cpu" and m.use_kernels,
+        )
 
     def follow(self, data: bytes) -> None:
         """A follower rank's step: the command less the requests rank 0 failed alone,
