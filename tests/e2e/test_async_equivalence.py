@@ -93,7 +93,7 @@ def staggered_workload(model: Path) -> list[tuple[int, list[int], SamplingParams
     ]
 
 
-@pytest.mark.parametrize("mode", ["async", "async-process"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("async-process", marks=pytest.mark.slow)])
 def test_staggered_async_equals_sync_equals_hf(model: Path, mode: str) -> None:
     work = staggered_workload(model)
     aborts = {6: 14}
@@ -141,7 +141,7 @@ def test_stop_strings_equal_across_modes(model: Path) -> None:
         assert len(toks) < len(full_toks) and toks == full_toks[: len(toks)]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "async"])
 def test_preemption_chunked_prefill_and_prefix_hits_in_flight(model: Path, mode: str) -> None:
     shared = prompts(1, seed=13, lo=24, hi=24)[0]
     ps = [shared + t for t in prompts(6, seed=14, lo=2, hi=10)]

@@ -95,6 +95,7 @@ def test_bf16_greedy_identical_with_speculation_and_async(bigram: tuple[Path, Pa
                     assert drafts > accepted, (async_on, stats)
 
 
+@pytest.mark.slow
 def test_bf16_ngram_identical_on_a_model_with_attention(tiny_models: dict[str, Path]) -> None:
     """The bigram model's attention output is zero; this 3-layer model's is not. It
     never loops, so nearly all of its one-token-lookup drafts are rejected: each verify

@@ -80,24 +80,26 @@ def spec_reference(llm: LLM) -> tuple[list[dict], list[list[int]]]:
 
 @pytest.mark.parametrize(
     ("spec", "async_on"),
-    # NOTE: two cases run by default (a chain with lookup drafts, async; the int8 head's
-    # tree, sync); the others are slow (CI): the tiny-model tests in tests/spec cover
-    # each path by default, these add the shipped head on the real model
+    # NOTE: all slow (CI): the tiny-model tests in tests/spec cover each path by
+    # default, these add the shipped head on the real model
     [
         pytest.param({"method": "mtp", "num_speculative_tokens": 1}, True, marks=SLOW),
         pytest.param({"method": "mtp", "num_speculative_tokens": 2}, False, marks=SLOW),
-        ({"method": "mtp", "num_speculative_tokens": 2, "ngram_first": True}, True),
+        pytest.param(
+            {"method": "mtp", "num_speculative_tokens": 2, "ngram_first": True}, True, marks=SLOW
+        ),
         pytest.param({"method": "ngram", "num_speculative_tokens": 3}, True, marks=SLOW),
         pytest.param(
             {"method": "mtp", "speculative_token_tree": "[(0,), (1,), (2,)]"}, True, marks=SLOW
         ),
-        (
+        pytest.param(
             {
                 "method": "mtp",
                 "speculative_token_tree": "[(0,), (1,), (2,)]",
                 "quantization": "int8",
             },
             False,
+            marks=SLOW,
         ),
     ],
 )

@@ -157,6 +157,7 @@ def long_reply(llm: LLM) -> str:
     return out.text.replace("\r", "")
 
 
+@pytest.mark.slow  # a chat process with its own worker, a 480-token reply
 def test_ctrl_c_stops_only_the_reply(tiny_models: dict[str, Path], long_reply: str) -> None:
     """Ctrl-C at the prompt and during a long reply: the reply stops early, the worker
     process lives on (the terminal's SIGINT never reaches it) and the chat goes on."""

@@ -130,6 +130,7 @@ def test_worker_killed_mid_stream(server: Server) -> None:
     assert server.greedy() == reference
 
 
+@pytest.mark.slow  # a server of its own, stopped for seconds
 def test_health_is_503_while_the_worker_makes_no_progress(tiny_models: dict[str, Path]) -> None:
     """A stopped worker (SIGSTOP) with work pending: /health turns 503 once a step
     has run past --health-stall-timeout-s, and 200 again when it runs on."""

@@ -253,6 +253,7 @@ def _gauges(server: Server) -> tuple[float, float, float]:
     )
 
 
+@pytest.mark.slow  # hundreds of aborted streams
 def test_an_abort_storm_drains_to_nothing(srv: Server) -> None:
     """200 streaming clients leave at once (most still queued or not yet admitted):
     running, waiting and KV usage all return to 0. The wait is bounded generously
