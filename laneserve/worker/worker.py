@@ -91,6 +91,7 @@ def _tracer(config: EngineConfig, tp: TensorParallel) -> Tracer:
 
 class Worker:
     group: RankGroup | None = None  # tensor parallel: this rank's group (worker/ranks.py)
+    tp: TensorParallel = SINGLE  # this rank's view of the group (one rank without one)
 
     def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
         start = time.perf_counter()
