@@ -7,12 +7,9 @@ once node 1 has started its rank again and the worker on node 0 has restarted.""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -22,10 +19,10 @@ import pytest
 from laneserve.config import EngineConfig, ModelConfig, ParallelConfig, WorkerConfig
 from laneserve.engine_args import EngineArgs
 from laneserve.worker.ranks import config_digest
+from tests.distributed.kill_streams import kill_during_streams
 from tests.server.conftest import Server, free_port, start_server, stop_server, wait_for
-from tests.server.test_faults import HealthLog, _stream_events
 
-STREAM = {"model": "tiny", "prompt": "The old lighthouse", "max_tokens": 200, "ignore_eos": True}
+STREAM = {"model": "tiny", "prompt": "The old lighthouse", "max_tokens": 240, "ignore_eos": True}
 
 
 def _config(**parallel: object) -> EngineConfig:
@@ -160,24 +157,7 @@ def test_two_nodes_serve_and_a_killed_node_rank_is_a_worker_death(
         reference = head.greedy()
         assert reference == _plain_greedy(model, "The old lighthouse stood at the end")
         rank = _node_rank_pid(node1)
-        events: list[list[str]] = [[] for _ in range(2)]
-        started = [threading.Event() for _ in range(2)]
-        threads = [
-            threading.Thread(target=_stream_events, args=(head, events[i], started[i], STREAM))
-            for i in range(2)
-        ]
-        for t in threads:
-            t.start()
-        for ev in started:
-            assert ev.wait(120), "the streams did not start"
-        health = HealthLog(head)
-        os.kill(rank, signal.SIGKILL)
-        for t in threads:
-            t.join(120)
-        for ev in events:
-            assert ev[-1] == "[DONE]"
-            error = json.loads(ev[-2])["error"]
-            assert "worker" in error["message"] and "died" in error["message"], error
+        health = kill_during_streams(head, rank, 2, STREAM)
         wait_for(lambda: 503 in health.seen and health.seen[-1] == 200, "health 503, then 200")
         health.close()
         assert _node_rank_pid(node1) != rank  # node 1 started its rank again

@@ -4,18 +4,15 @@ every rank is back, and the server answers as before."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.distributed.kill_streams import kill_during_streams
 from tests.distributed.test_tp_engine import _rank_pids
 from tests.server.conftest import start_server, stop_server, wait_for
-from tests.server.test_faults import HealthLog, _stream_events, _worker_pid
+from tests.server.test_faults import _worker_pid
 
 STREAM = {"model": "tiny", "prompt": "The old lighthouse", "max_tokens": 200, "ignore_eos": True}
 
@@ -29,26 +26,9 @@ def test_a_killed_rank_fails_the_streams_then_every_rank_restarts(
         reference = s.greedy()
         worker = _worker_pid(s)
         (rank1,) = _rank_pids(worker)
-        events: list[list[str]] = [[] for _ in range(4)]
-        started = [threading.Event() for _ in range(4)]
-        threads = [
-            threading.Thread(target=_stream_events, args=(s, events[i], started[i], STREAM))
-            for i in range(4)
-        ]
-        for t in threads:
-            t.start()
-        for ev in started:
-            assert ev.wait(120), "the streams did not start"
-        wait_for(lambda: s.metrics()["vllm:num_requests_running"] == 4, "all four running")
-        health = HealthLog(s)
-        os.kill(rank1, signal.SIGKILL)
-        for t in threads:
-            t.join(120)
-        for ev in events:
-            assert ev[-1] == "[DONE]"
-            error = json.loads(ev[-2])["error"]
-            assert "worker" in error["message"] and "died" in error["message"], error
-            assert not any('"finish_reason": "length"' in e for e in ev)
+        health = kill_during_streams(
+            s, rank1, 4, STREAM, ready=lambda: s.metrics()["vllm:num_requests_running"] == 4
+        )
         wait_for(lambda: 503 in health.seen and health.seen[-1] == 200, "health 503, then 200")
         health.close()
         changes = [c for i, c in enumerate(health.seen) if i == 0 or c != health.seen[i - 1]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pexpect
@@ -13,6 +14,15 @@ import pytest
 from laneserve import LLM, SamplingParams
 
 PROMPT = [5, 17, 33, 41, 8]
+
+
+@pytest.fixture(autouse=True)
+def _terminal_sigint() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt, as in a terminal, even when the suite was started
+    as a background job (a non-interactive shell starts those with SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +108,17 @@ def test_ctrl_c_in_a_stream_aborts_its_request(llm: LLM, monkeypatch: pytest.Mon
 def _spawn_chat(model: Path, *extra: str) -> pexpect.spawn:
     args = ["-m", "laneserve.entrypoints.cli", "--log-level", "warning", "chat", "--model"]
     args += [str(model), "--dtype", "float32", "--max-model-len", "512", "--temperature", "0"]
-    return pexpect.spawn(sys.executable, args + list(extra), encoding="utf-8", timeout=240)
+    return pexpect.spawn(
+        sys.executable,
+        args + list(extra),
+        encoding="utf-8",
+        timeout=240,
+        preexec_fn=_default_sigint,  # as from a terminal, also when the suite runs in the background
+    )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _reply(child: pexpect.spawn, line: str, end: str = ">>> ") -> str:
