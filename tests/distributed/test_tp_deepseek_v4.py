@@ -6,7 +6,6 @@ layer, what a rank reads, and sizes that do not divide."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from laneserve.model.deepseek_v4.parallel import parallel_sizes
 from laneserve.model.loader import resolve_checkpoint
 from laneserve.model.registry import FAMILIES, open_weights
 from laneserve.worker.ranks import check_supported
-from tests.distributed.tp_ranks import _free_port
+from tests.distributed.tp_ranks import spawn_ranks
 from tests.distributed.v4_ranks import run_v4_rank, v4_logits
 from tests.e2e.test_tiny_models import mixed_prompts, run
 from tests.models.test_deepseek_mtp import _spec
@@ -56,18 +55,7 @@ def tiny_v4_mtp(tiny_v4: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 
 def _run_ranks(model_dir: Path, prompt_len: int, out: Path, size: int = 2) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=run_v4_rank, args=(r, size, port, str(model_dir), prompt_len, str(out)))
-        for r in range(size)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(600)
-    assert [p.exitcode for p in procs] == [0] * size
-    return [torch.load(out / f"rank{r}.pt") for r in range(size)]
+    return spawn_ranks(run_v4_rank, (str(model_dir), prompt_len, str(out)), out, size)
 
 
 def _check_ranks(ranks: list[dict], one: dict, key: str) -> None:

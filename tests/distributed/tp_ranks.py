@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -82,20 +83,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(model_dir: Path, out: Path, size: int = 2, mtp: bool = False) -> list[dict]:
-    """`forward_logits` on `size` gloo ranks over 127.0.0.1 (spawned processes)."""
+def spawn_ranks(
+    target: Callable[..., None], args: tuple, out: Path, size: int = 2, limit_s: float = 600
+) -> list[dict]:
+    """`target(rank, size, port, *args)` on `size` spawned processes (one gloo group over
+    127.0.0.1); each saves its results to `out / rank{r}.pt`, returned in rank order."""
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [
-        ctx.Process(target=run_rank, args=(r, size, port, str(model_dir), str(out), mtp))
-        for r in range(size)
-    ]
+    procs = [ctx.Process(target=target, args=(r, size, port, *args)) for r in range(size)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(300)
+        p.join(limit_s)
     assert [p.exitcode for p in procs] == [0] * size
     return [torch.load(out / f"rank{r}.pt") for r in range(size)]
+
+
+def run_ranks(model_dir: Path, out: Path, size: int = 2, mtp: bool = False) -> list[dict]:
+    """`forward_logits` on `size` gloo ranks over 127.0.0.1 (spawned processes)."""
+    return spawn_ranks(run_rank, (str(model_dir), str(out), mtp), out, size, limit_s=300)
 
 
 def check_two_ranks(model_dir: Path, out: Path, mtp: bool = False) -> None:
