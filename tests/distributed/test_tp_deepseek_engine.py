@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from laneserve import LLM, SamplingParams
+from tests.distributed.tp_engine import (
+    assert_two_ranks_generate_what_one_device_does,
+    two_ranks,
+)
 from tests.e2e.test_tiny_models import mixed_prompts, run
 from tests.tiny_models import build_exact_deepseek_mtp, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def _two_ranks(model: str, **kw: object) -> LLM:
-    return LLM(model, dtype="float32", tensor_parallel_size=2, worker_mode="process", **kw)
 
 
 @pytest.mark.slow
@@ -25,12 +25,10 @@ def _two_ranks(model: str, **kw: object) -> LLM:
 def test_two_ranks_generate_what_one_device_does(
     tp_deepseek: dict[str, Path], version: str, async_scheduling: bool
 ) -> None:
-    d = str(tp_deepseek[version])
     prompts = mixed_prompts(6, seed=2)  # different lengths, one batch
-    with LLM(d, dtype="float32") as llm:
-        want = run(llm, prompts)
-    with _two_ranks(d, async_scheduling=async_scheduling) as llm:
-        assert run(llm, prompts) == want
+    assert_two_ranks_generate_what_one_device_does(
+        str(tp_deepseek[version]), prompts, (async_scheduling,)
+    )
 
 
 @pytest.mark.slow
@@ -42,7 +40,7 @@ def test_two_ranks_with_the_mtp_layer_drafting(tmp_path: Path) -> None:
     with LLM(str(d), dtype="float32") as llm:
         want = run(llm, prompts, GREEDY)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    with _two_ranks(str(d), async_scheduling=True, speculative_config=spec) as llm:
+    with two_ranks(str(d), async_scheduling=True, speculative_config=spec) as llm:
         got = run(llm, prompts, GREEDY)
         stats = llm.get_stats()
     assert got == want
@@ -60,7 +58,7 @@ def test_two_ranks_with_ngram_drafts(
     with LLM(d, dtype="float32") as llm:
         want = run(llm, prompts, GREEDY)
     spec = {"method": "ngram", "num_speculative_tokens": 2}
-    with _two_ranks(d, async_scheduling=True, speculative_config=spec) as llm:
+    with two_ranks(d, async_scheduling=True, speculative_config=spec) as llm:
         got = run(llm, prompts, GREEDY)
         stats = llm.get_stats()
     assert got == want
@@ -73,4 +71,4 @@ def test_an_uneven_head_count_is_refused_at_start(tmp_path: Path) -> None:
 
     d = build_tiny_deepseek(tmp_path / "odd", 3, num_attention_heads=3, num_key_value_heads=3)
     with pytest.raises(ValueError, match=r"does not divide the model's attention heads \(3\)"):
-        _two_ranks(str(d))
+        two_ranks(str(d))

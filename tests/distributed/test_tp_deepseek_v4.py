@@ -22,6 +22,7 @@ from laneserve.model.deepseek_v4.parallel import parallel_sizes
 from laneserve.model.loader import resolve_checkpoint
 from laneserve.model.registry import FAMILIES, open_weights
 from laneserve.worker.ranks import check_supported
+from tests.distributed.tp_engine import assert_two_ranks_generate_what_one_device_does
 from tests.distributed.tp_ranks import spawn_ranks
 from tests.distributed.v4_ranks import run_v4_rank, v4_logits
 from tests.e2e.test_tiny_models import mixed_prompts, run
@@ -159,17 +160,7 @@ def test_a_rank_caches_what_one_device_does(tiny_v4: Path) -> None:
 @pytest.mark.slow
 def test_engine_two_ranks_generate_what_one_device_does(tiny_v4: Path) -> None:
     prompts = mixed_prompts(6, seed=3)  # different lengths (2 .. 60), one batch
-    with LLM(str(tiny_v4), dtype="float32") as llm:
-        want = run(llm, prompts)
-    for async_scheduling in (False, True):
-        with LLM(
-            str(tiny_v4),
-            dtype="float32",
-            tensor_parallel_size=2,
-            worker_mode="process",
-            async_scheduling=async_scheduling,
-        ) as llm:
-            assert run(llm, prompts) == want
+    assert_two_ranks_generate_what_one_device_does(str(tiny_v4), prompts)
 
 
 def test_the_mtp_head_shards_with_the_model(tiny_v4: Path) -> None:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from laneserve import LLM, SamplingParams
-from tests.e2e.test_tiny_models import mixed_prompts, run
+from laneserve import SamplingParams
+from tests.distributed.tp_engine import assert_two_ranks_generate_what_one_device_does
+from tests.e2e.test_tiny_models import mixed_prompts
 
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
@@ -18,19 +19,8 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_two_ranks_generate_what_one_device_does(tiny_models: dict[str, Path], family: str) -> None:
-    d = str(tiny_models[family])
     prompts = mixed_prompts(6, seed=2)  # different lengths, one batch
-    with LLM(d, dtype="float32") as llm:
-        want = run(llm, prompts)
-    for async_scheduling in (False, True):
-        with LLM(
-            d,
-            dtype="float32",
-            tensor_parallel_size=2,
-            worker_mode="process",
-            async_scheduling=async_scheduling,
-        ) as llm:
-            assert run(llm, prompts) == want
+    assert_two_ranks_generate_what_one_device_does(str(tiny_models[family]), prompts)
 
 
 def test_a_family_without_tensor_parallelism_is_refused(tmp_path: Path) -> None:
