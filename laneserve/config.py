@@ -264,6 +264,15 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # each request routed to one of them (docs/distributed.md#data-parallelism)
     data_parallel_size: int = 1
     data_parallel_rank: int = 0  # set per rank by the engine: the worker's own index
+    # expert parallelism: the routed experts divided over the data-parallel ranks, which
+    # then step in lock step (docs/distributed.md#expert-parallelism)
+    enable_expert_parallel: bool = False
+    data_parallel_master_port: int = 0  # set by the engine: where the ranks' group meets
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the routed experts are divided over (1: every rank holds them all)."""
+        return self.data_parallel_size if self.enable_expert_parallel else 1
 
     @property
     def ranks_per_node(self) -> int:
@@ -353,6 +362,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if p.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {p.tensor_parallel_size}")
+        self._validate_experts()
         if p.distributed_executor_backend != "mp":
             raise ValueError(
                 f"distributed_executor_backend must be 'mp', got {p.distributed_executor_backend!r}"
@@ -371,4 +381,28 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 "speculative_token_tree with tensor_parallel_size > 1 is not supported yet "
                 "(chains of drafts are: n-gram, and MTP where the family's draft head is sharded)"
+            )
+
+    def _validate_experts(self) -> None:
+        p = self.parallel
+        if not isinstance(p.enable_expert_parallel, bool):
+            raise ValueError(
+                f"enable_expert_parallel must be a boolean, got {p.enable_expert_parallel!r}"
+            )
+        if p.expert_parallel_size == 1:
+            return
+        if self.worker.mode != "process":
+            raise ValueError(
+                "enable_expert_parallel with data_parallel_size > 1 runs the ranks in worker "
+                "processes (worker mode 'process')"
+            )
+        if p.nnodes > 1:
+            raise ValueError(
+                "enable_expert_parallel with data_parallel_size > 1 runs on one machine "
+                "(data-parallel ranks across machines are not supported yet)"
+            )
+        if self.speculative and self.speculative.tree:
+            raise ValueError(
+                "speculative_token_tree with enable_expert_parallel is not supported "
+                "(chains of drafts are)"
             )

@@ -195,6 +195,12 @@ class EngineArgs:
         "engine cores (scheduler, KV cache, worker) in this engine; each request is routed "
         "to one (docs/distributed.md)",
     )
+    enable_expert_parallel: bool = _from_config(
+        ParallelConfig,
+        "enable_expert_parallel",
+        "divide the routed experts of a mixture-of-experts model over the data-parallel "
+        "ranks, which then step in lock step (docs/distributed.md)",
+    )
     distributed_executor_backend: str = _arg(
         "mp", "how the ranks start: 'mp' (processes spawned by the worker)", choices=("mp",)
     )
@@ -296,6 +302,7 @@ class EngineArgs:
                 master_addr=self.master_addr,
                 master_port=self.master_port,
                 data_parallel_size=self.data_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
             ),
             worker=WorkerConfig(
                 mode=self.worker_mode or default_worker_mode(),

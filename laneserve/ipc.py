@@ -228,8 +228,10 @@ class ProcessClient:
             code = None
         return f"the worker process {self.process.pid} died (exit code {code})"
 
-    def restart(self) -> None:
+    def restart(self, config: EngineConfig | None = None) -> None:
         self._stop(kill=True)
+        if config is not None:
+            self.config = config
         self._start()
 
     def shutdown(self) -> None:

@@ -116,6 +116,8 @@ class WorkerReady(msgspec.Struct, tag=True, **_STRUCT):
     weight_dtype: str
     kernels: str
     load_s: float
+    # expert parallelism: the routed experts (global ids) this rank holds; [] = all
+    local_experts: list[int] = []
 
 
 class WorkerFailed(msgspec.Struct, tag=True, **_STRUCT):

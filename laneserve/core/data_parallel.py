@@ -11,10 +11,8 @@
 holds either; with `data_parallel_size` 1 it holds the plain `EngineCore` and none of
 this code runs. The ranks step independently: no rank waits for another's step.
 
-Seam for expert parallelism: a lockstep step would replace `step()`'s two phases by
-"every rank fills (a rank with nothing scheduled sends an empty forward, so that the
-ranks' expert all-to-alls pair up), then every rank collects"; the router and the
-per-rank cores stay as they are.
+With expert parallelism the ranks step together instead (`lockstep.py`, a subclass):
+the router and the per-rank cores stay as they are.
 """
 
 from __future__ import annotations
@@ -146,7 +144,7 @@ class DataParallelCore:
                 outs += rank.fill()
         busy = [r for r in self.ranks if r.scheduler.num_in_flight]
         if busy:
-            for rank in _ready(busy):
+            for rank in ready_ranks(busy):
                 outs += rank.collect()
         return outs
 
@@ -168,7 +166,7 @@ def _each(
     return [out for r in ranks for out in fn(r)]
 
 
-def _ready(busy: list[EngineCore]) -> list[EngineCore]:
+def ready_ranks(busy: list[EngineCore]) -> list[EngineCore]:
     """The ranks whose oldest step result can be read now, waiting for the first one.
 
     A client that cannot be polled (an in-test fake) counts as ready: reading it blocks
@@ -191,4 +189,4 @@ def _poll(client: WorkerClient, timeout: float) -> bool:
     return not isinstance(client, PollableClient) or client.result_ready(timeout)
 
 
-__all__ = ["DataParallelCore"]
+__all__ = ["DataParallelCore", "ready_ranks"]

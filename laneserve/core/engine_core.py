@@ -48,7 +48,9 @@ class RestartableClient(WorkerClient, Protocol):
 
     def death_message(self) -> str: ...
 
-    def restart(self) -> None: ...
+    def restart(self, config: EngineConfig | None = None) -> None:
+        """A new worker (with `config` where given: e.g. a new rendezvous port)."""
+        ...
 
 
 class EngineDeadError(RuntimeError):
@@ -215,6 +217,25 @@ class EngineCore:
             return self._step_failed(e)
         return []
 
+    def plan(self, force: bool = False) -> StepCommand | None:
+        """One step's command, not sent (None: nothing to run; `force`: an empty step)."""
+        with self.tracer.span("schedule", "engine"):
+            return self.scheduler.schedule(force)
+
+    def send(self, cmd: StepCommand) -> list[EngineCoreOutput]:
+        """A planned step to the worker; failures, if any."""
+        try:
+            self.client.submit(cmd)
+        except Exception as e:
+            return self._step_failed(e)
+        return []
+
+    def fail_all(self, message: str) -> list[EngineCoreOutput]:
+        """Fail every unfinished request and restart this worker (another rank's died)."""
+        if self._restart_pending or not self.healthy:
+            return []
+        return self._worker_died(message)
+
     def collect(self) -> list[EngineCoreOutput]:
         """The oldest step's result (call only with a step in flight)."""
         try:
@@ -249,12 +270,12 @@ class EngineCore:
             self.healthy = False
         return outs
 
-    def restart_worker(self) -> list[EngineCoreOutput]:
+    def restart_worker(self, config: EngineConfig | None = None) -> list[EngineCoreOutput]:
         """A new worker; if it cannot start, the failures of the requests that waited."""
         self._restart_pending = False
         try:
             assert isinstance(self.client, RestartableClient), "only a worker process restarts"
-            self.client.restart()
+            self.client.restart(config) if config is not None else self.client.restart()
         except Exception as e:
             log.error("worker restart failed: %s", e)
             self.healthy = False

@@ -126,8 +126,9 @@ class Scheduler:
         return bool(self._to_release or self._to_preempt)
 
     # -- scheduling --------------------------------------------------------
-    def schedule(self) -> StepCommand | None:
-        """Plan one step; None when nothing can run (and nothing to release)."""
+    def schedule(self, force: bool = False) -> StepCommand | None:
+        """Plan one step; None when nothing can run (and nothing to release), unless
+        `force`: then an empty step (expert-parallel ranks step together)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         new_requests: list[NewRequest] = []
@@ -147,7 +148,7 @@ class Scheduler:
             planned.append(self._plan(req, item))
         if not preempted_now:
             budget = self._schedule_waiting(budget, scheduled, new_requests, planned)
-        if not scheduled and not self.has_pending_release():
+        if not scheduled and not self.has_pending_release() and not force:
             return None
         cmd = StepCommand(
             step_id=next(self._step_ids),

@@ -18,6 +18,7 @@ from laneserve.chat_formats import resolve_chat_format
 from laneserve.config import EngineConfig
 from laneserve.core.data_parallel import DataParallelCore
 from laneserve.core.engine_core import EngineCore, WorkerClient
+from laneserve.core.lockstep import LockstepCore, free_port, with_rank
 from laneserve.core.request import Request
 from laneserve.core.scheduler import SchedulerStats
 from laneserve.frontend.generation_config import generation_defaults
@@ -47,12 +48,8 @@ def make_clients(config: EngineConfig, tracer: Tracer) -> list[WorkerClient]:
     size = config.parallel.data_parallel_size
     if size == 1:
         return [make_client(config, tracer)]
-    configs = [
-        msgspec.structs.replace(
-            config, parallel=msgspec.structs.replace(config.parallel, data_parallel_rank=r)
-        )
-        for r in range(size)
-    ]
+    port = free_port() if config.parallel.expert_parallel_size > 1 else 0
+    configs = [with_rank(config, r, port) for r in range(size)]
     with ThreadPoolExecutor(size, thread_name_prefix="dp-start") as pool:
         futures = [pool.submit(make_client, c, tracer) for c in configs]
         wait(futures)
@@ -83,7 +80,9 @@ class LLMEngine:
             raise ValueError("one worker client given for data_parallel_size > 1")
         if client is None and config.parallel.data_parallel_size > 1:
             self.clients = make_clients(config, self.tracer)
-            self.core = DataParallelCore(config, self.clients, self.tracer)
+            lockstep = config.parallel.expert_parallel_size > 1  # every rank runs every step
+            core_class = LockstepCore if lockstep else DataParallelCore
+            self.core = core_class(config, self.clients, self.tracer)
         else:
             self.clients = [client or make_client(config, self.tracer)]
             self.core = EngineCore(config, self.clients[0], self.tracer)

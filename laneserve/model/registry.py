@@ -49,6 +49,9 @@ class ModelFamily:
     parallel_sizes: Callable[[ArchConfig], dict[str, int]] | None = None
     # its MTP draft head shards with the model (speculative method "mtp" with TP > 1)
     parallel_mtp: bool = False
+    # its routed experts divide over data-parallel ranks (enable_expert_parallel; its
+    # model, and MTP head, list them as `moe_layers`)
+    expert_parallel: bool = False
 
 
 def _llama_mtp(
@@ -114,6 +117,7 @@ FAMILIES = (
         _deepseek_mtp,
         parallel_sizes=deepseek.parallel_sizes,
         parallel_mtp=True,
+        expert_parallel=True,
     ),
     ModelFamily(
         "deepseek_v32",
@@ -134,6 +138,7 @@ FAMILIES = (
         supports_side_rows=False,
         parallel_sizes=deepseek_v4_parallel_sizes,
         parallel_mtp=True,
+        expert_parallel=True,
     ),
 )
 

@@ -19,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -26,6 +27,7 @@ import torch
 from laneserve import protocol
 from laneserve.config import EngineConfig
 from laneserve.core.engine_core import read_lookahead
+from laneserve.distributed.expert_parallel import NO_EXPERTS, ExpertParallel, join_experts
 from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import CpuKernels, get_kernels
 from laneserve.kv_cache_interface import CacheGroupSpec
@@ -50,6 +52,7 @@ from laneserve.spec_decode.proposers import MtpProposer, NgramProposer
 from laneserve.structured.matchers import GrammarBook
 from laneserve.worker.cuda_graphs import DecodeGraphs
 from laneserve.worker.cuda_graphs_tables import TokenTableDecodeGraphs
+from laneserve.worker.expert_steps import ExpertSteps
 from laneserve.worker.failures import (
     Rejections,
     StepFailure,
@@ -92,6 +95,8 @@ def _tracer(config: EngineConfig, tp: TensorParallel) -> Tracer:
 class Worker:
     group: RankGroup | None = None  # tensor parallel: this rank's group (worker/ranks.py)
     tp: TensorParallel = SINGLE  # this rank's view of the group (one rank without one)
+    ep: ExpertParallel = NO_EXPERTS  # expert parallel: the data-parallel ranks' group
+    expert_steps: ExpertSteps | None = None  # ... and the exchanges every step makes
 
     def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
         start = time.perf_counter()
@@ -105,6 +110,7 @@ class Worker:
         # NOTE: a data-parallel rank (never combined with tensor parallelism) has its own device
         index = config.parallel.data_parallel_rank + self.tp.rank
         self.device = rank_device(resolve_device(config.model.device), index)
+        self.ep = self._join_experts()
         m = config.model
         # the checkpoint before the kernels: a bad --model fails before any kernel build
         self.ckpt: Checkpoint = self._checkpoint(m.gguf_weights)
@@ -128,7 +134,13 @@ class Worker:
         if self.tp.size > 1:
             quantized = store.quantized is not None
             check_supported(self.family, arch, self.tp.size, quantized, config.speculative)
+        if self.ep.size > 1 and not self.family.expert_parallel:
+            raise ValueError(
+                f"enable_expert_parallel: the {self.family.name} family has no expert-parallel "
+                "model (supported: DeepSeek V2 / V3 and V4)"
+            )
         self.model, self.mtp = self._load_model(store)
+        self.expert_steps = self._expert_steps()
         self.block_size = config.cache.block_size
         self.groups = self._cache_groups()
         self.num_blocks = self._num_blocks()
@@ -160,6 +172,7 @@ class Worker:
             self.act_dtype,
             self.max_positions,
             **({"tp": self.tp} if self.tp.size > 1 else {}),
+            **({"ep": self.ep} if self.ep.size > 1 else {}),
         )
         if spec is None or spec.method != "mtp":
             return model, None
@@ -167,6 +180,24 @@ class Worker:
             store, model, self.kernels, spec.draft_weights, self.ckpt.known_name, spec.quantization
         )
         return model, mtp
+
+    def _join_experts(self) -> ExpertParallel:
+        """Expert parallelism: join the data-parallel ranks' group (before the model loads)."""
+        p = self.config.parallel
+        if p.expert_parallel_size == 1:
+            return NO_EXPERTS
+        port = p.data_parallel_master_port
+        return join_experts(
+            p.data_parallel_rank, p.data_parallel_size, "127.0.0.1", port, self.device
+        )
+
+    def _expert_steps(self) -> ExpertSteps | None:
+        if self.ep.size == 1:
+            return None
+        model: Any = self.model  # NOTE: an expert-parallel family has `moe_layers`
+        draft = self.mtp.moe_layers if self.mtp is not None else []  # type: ignore[attr-defined]
+        k = self.max_spec if self.mtp is not None else 0
+        return ExpertSteps(self.ep, model.moe_layers, draft, k, self.act_dtype, self.device)
 
     def _build_runner(self) -> ModelRunner:
         vocab = self.ckpt.arch.vocab_size
@@ -187,7 +218,8 @@ class Worker:
 
     def _decode_graphs(self) -> DecodeGraphs | TokenTableDecodeGraphs | None:
         """CUDA graphs of decode steps (on CUDA, unless enforce_eager)."""
-        if self.device.type != "cuda" or self.config.model.enforce_eager or self.tp.size > 1:
+        eager = self.config.model.enforce_eager or self.tp.size > 1 or self.ep.size > 1
+        if self.device.type != "cuda" or eager:
             return None  # NOTE: no collectives inside a graph yet
         return self.decode_graphs()
 
@@ -249,6 +281,15 @@ class Worker:
             f", GGUF weights {self.gguf_weights}" if self.ckpt.gguf_quantized else "",
             self.load_s,
         )
+        local = self._local_experts()
+        if local:
+            log.info(
+                "expert parallel rank %d of %d: routed experts %d..%d of each MoE layer",
+                self.ep.rank,
+                self.ep.size,
+                local[0],
+                local[-1],
+            )
 
     def _cache_groups(self) -> list[CacheGroupSpec]:
         """The family's cache groups: its layers, plus the MTP layer's own cache."""
@@ -325,7 +366,13 @@ class Worker:
             weight_dtype=str(self.ckpt.weight_dtype).removeprefix("torch."),
             kernels=type(self.kernels).__name__,
             load_s=self.load_s,
+            local_experts=self._local_experts(),
         )
+
+    def _local_experts(self) -> list[int]:
+        if self.expert_steps is None or not self.expert_steps.sequence:
+            return []
+        return list(self.expert_steps.sequence[0].local)
 
     @property
     def supports_async_prepare(self) -> bool:
@@ -388,9 +435,12 @@ class Worker:
             end_rank(self.tp.rank, f"sending step to the other ranks failed: {e}")
 
     def _ranked_failure(self, what: str) -> None:
-        """With several ranks, a failure in a later stage ends this rank (rank_steps.py)."""
+        """With several ranks, a failure in a later stage ends this rank (rank_steps.py);
+        with expert parallelism too (the other ranks wait for its exchanges)."""
         if self.tp.size > 1:
             end_rank(self.tp.rank, what)
+        if self.ep.size > 1:
+            end_rank(self.ep.rank, what)
 
     def _command(
         self, item: StepCommand | bytes, skip: set[int] | None = None
@@ -503,10 +553,14 @@ class Worker:
 
     def _execute(self, inp: StepInputs) -> DeviceOutputs | StepFailure:
         start = time.perf_counter_ns()
+        steps = self.expert_steps
         try:
-            if not inp.rows:
-                return DeviceOutputs(inp, None, None, None, None, [])
-            return self.runner.execute(inp)
+            if steps is not None:
+                steps.begin()
+            out = self.runner.execute(inp) if inp.rows else None
+            if steps is not None:  # the exchanges this step did not make, with no tokens
+                steps.finish()
+            return out or DeviceOutputs(inp, None, None, None, None, [])
         except Exception as e:
             log.exception("device step %d failed", inp.step_id)
             self._ranked_failure(f"device step {inp.step_id} failed: {e}")

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from laneserve.distributed.expert_parallel import NO_EXPERTS, ExpertParallel
 from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import Kernels
 from laneserve.kv_cache_interface import CacheGroupSpec
@@ -51,6 +52,7 @@ class DeepseekLayer:
         rotary: MlaRotary,
         dense: bool,
         tp: TensorParallel = SINGLE,
+        ep: ExpertParallel = NO_EXPERTS,
     ) -> None:
         eps = arch.rms_norm_eps
         self.attn = self.attention(arch, kernels, get, prefix, rotary, tp)
@@ -64,7 +66,7 @@ class DeepseekLayer:
             gate_up = fused(get, m, ("gate_proj", "up_proj"))
             self.mlp = GatedMLP(kernels, gate_up, linear_weight(get, f"{m}.down_proj.weight"))
         else:
-            self.mlp = MoE(_params(arch), kernels, get, m, tp)
+            self.mlp = MoE(_params(arch), kernels, get, m, tp, ep)
         self.input_norm = RMSNorm(kernels, get(f"{prefix}.input_layernorm.weight"), eps)
         self.post_norm = RMSNorm(kernels, get(f"{prefix}.post_attention_layernorm.weight"), eps)
 
@@ -107,9 +109,11 @@ class DeepseekModel(DecoderStack):
         act_dtype: torch.dtype,
         max_positions: int,
         tp: TensorParallel = SINGLE,  # this rank's view of its tensor-parallel group
+        ep: ExpertParallel = NO_EXPERTS,  # ... and of its expert-parallel group
     ) -> None:
         p = _params(arch)
         self.arch, self.kernels, self.act_dtype, self.tp = arch, kernels, act_dtype, tp
+        self.ep = ep
         self.rotary = MlaRotary(
             arch.rope_scaling or {"rope_theta": arch.rope_theta},
             p.qk_rope_head_dim,
@@ -127,6 +131,7 @@ class DeepseekModel(DecoderStack):
                 self.rotary,
                 i < p.first_k_dense_replace,
                 tp,
+                ep,
             )
             for i in range(arch.num_layers)
         ]
@@ -140,6 +145,11 @@ class DeepseekModel(DecoderStack):
         self.embed_tokens = get("model.embed_tokens.weight")  # [V, H]
         head = self.embed_tokens if tied else get("lm_head.weight")
         self.lm_head = Linear(kernels, head, None)
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        """The routed-expert blocks in forward order (expert parallelism's exchanges)."""
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
 
 
 def cache_groups(

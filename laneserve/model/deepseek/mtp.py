@@ -27,6 +27,7 @@ from laneserve.model.deepseek.model import DeepseekLayer, DeepseekModel
 from laneserve.model.interface import PAGED
 from laneserve.model.layers.attention import AttentionMetadata
 from laneserve.model.layers.linear import Linear, linear_weight
+from laneserve.model.layers.moe import MoE
 from laneserve.model.layers.norm import RMSNorm
 from laneserve.model.layers.weights import WeightGetter
 
@@ -50,7 +51,7 @@ class DeepseekMtpHead:
         self.eh_proj = Linear(kernels, linear_weight(get, f"{prefix}.eh_proj.weight"), None)
         dense = arch.num_layers < p.first_k_dense_replace
         # sharded as the target's layers; eh_proj and the norms are whole on every rank
-        self.layer = DeepseekLayer(arch, kernels, get, prefix, base.rotary, dense, base.tp)
+        self.layer = DeepseekLayer(arch, kernels, get, prefix, base.rotary, dense, base.tp, base.ep)
         self.norm = RMSNorm(kernels, get(f"{prefix}.shared_head.norm.weight"), eps)
         self.head = base.lm_head
         self.draft_vocab = None
@@ -69,6 +70,11 @@ class DeepseekMtpHead:
         y = self.layer(positions, self.layer.input_norm(x), residual, cache, meta)
         self.norm.add_(y, residual)
         return y
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        """Its routed-expert block, if any (expert parallelism's exchanges)."""
+        return [self.layer.mlp] if isinstance(self.layer.mlp, MoE) else []
 
     def draft(self, normed: torch.Tensor, n: int = 1) -> torch.Tensor:  # [N, n] best first
         return self.kernels.top_tokens(self.head(normed), n, None)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from laneserve.distributed.expert_parallel import NO_EXPERTS, ExpertParallel
 from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import Kernels
 from laneserve.kv_cache_interface import CacheGroupSpec
@@ -111,10 +112,11 @@ class V4Layer:
         hashed: bool,
         rope: InterleavedRope,
         tp: TensorParallel = SINGLE,
+        ep: ExpertParallel = NO_EXPERTS,
     ) -> None:
         p, eps, a = _params(arch), arch.rms_norm_eps, f"{prefix}.attn"
         self.attn = V4Attention(p, kernels, get, a, layer_type, rope, eps, arch.num_heads, tp)
-        self.ffn = V4MoE(p, kernels, get, f"{prefix}.ffn", hashed, tp)
+        self.ffn = V4MoE(p, kernels, get, f"{prefix}.ffn", hashed, tp, ep)
         self.attn_norm = Norm(get(f"{prefix}.attn_norm.weight", torch.float32), eps)
         self.ffn_norm = Norm(get(f"{prefix}.ffn_norm.weight", torch.float32), eps)
         n, it, he = p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps
@@ -155,9 +157,11 @@ class DeepseekV4Model:
         act_dtype: torch.dtype,
         max_positions: int,
         tp: TensorParallel = SINGLE,  # this rank's view of its tensor-parallel group
+        ep: ExpertParallel = NO_EXPERTS,  # ... and of its expert-parallel group
     ) -> None:
         p = _params(arch)
         self.arch, self.kernels, self.act_dtype, self.p, self.tp = arch, kernels, act_dtype, p, tp
+        self.ep = ep
         names = _Names(get)
         ropes = {
             SLIDING: InterleavedRope(p.main_rope, p.rope_dim, max_positions, device),
@@ -174,6 +178,7 @@ class DeepseekV4Model:
                 p.mlp_layer_types[i] == "hash_moe",
                 ropes[SLIDING if t == SLIDING else "compress"],
                 tp,
+                ep,
             )
             for i, t in enumerate(p.layer_types)
         ]
@@ -186,6 +191,11 @@ class DeepseekV4Model:
         self.norm = Norm(get(f"{names.root}norm.weight", torch.float32), arch.rms_norm_eps)
         self._load_vocab(get, names.embed, tp)
         self.plan = group_plan(p)
+
+    @property
+    def moe_layers(self) -> list[V4MoE]:
+        """The routed-expert blocks in forward order (expert parallelism's exchanges)."""
+        return [layer.ffn for layer in self.layers]
 
     def _load_vocab(self, get: WeightGetter, embed: str, tp: TensorParallel) -> None:
         """The embedding and the head: whole, or this rank's vocabulary rows of them."""

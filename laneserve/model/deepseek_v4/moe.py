@@ -15,11 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from laneserve.distributed.expert_parallel import NO_EXPERTS, ExpertParallel
 from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import Kernels
 from laneserve.model.arch import UnsupportedModelError
 from laneserve.model.deepseek_v4.config import DeepseekV4Params
 from laneserve.model.deepseek_v4.parallel import FEATURES, cols, rows
+from laneserve.model.layers.expert_exchange import ExpertExchange
 from laneserve.model.layers.linear import Linear, linear_weight
 from laneserve.model.layers.moe import StackedExperts, fused, grouped_experts
 from laneserve.model.layers.weights import WeightGetter
@@ -67,6 +69,7 @@ class V4MoE:
         prefix: str,
         hashed: bool,
         tp: TensorParallel = SINGLE,
+        ep: ExpertParallel = NO_EXPERTS,
     ) -> None:
         if p.scoring_func not in _SCORES:
             raise UnsupportedModelError(f"V4 scoring_func {p.scoring_func!r} is not supported")
@@ -74,13 +77,16 @@ class V4MoE:
         self.gate = get(f"{prefix}.gate.weight", torch.float32)  # [E, H]
         self.bias = None if hashed else get(f"{prefix}.gate.bias", torch.float32)
         self.tid2eid = get(f"{prefix}.gate.tid2eid", torch.int64) if hashed else None
-        self.experts = [
-            _Expert(kernels, get, f"{prefix}.experts.{e}", p, tp) for e in range(p.n_routed_experts)
-        ]
+        self.local = ep.experts(p.n_routed_experts)  # the routed experts this rank holds
+        self.experts = [_Expert(kernels, get, f"{prefix}.experts.{e}", p, tp) for e in self.local]
         self.shared = _Expert(kernels, get, f"{prefix}.shared_experts", p, tp)
-        self.stacked = StackedExperts.build(
-            kernels, [e.w13 for e in self.experts], [e.w2 for e in self.experts], p.swiglu_limit
-        )
+        self.exchange = None
+        self.stacked = None
+        if ep.size > 1:  # NOTE: routing stays here, so hash routing reads this rank's ids
+            self.exchange = ExpertExchange(ep, p.n_routed_experts, self._expert)
+        else:
+            w13, w2 = [e.w13 for e in self.experts], [e.w2 for e in self.experts]
+            self.stacked = StackedExperts.build(kernels, w13, w2, p.swiglu_limit)
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self.score(F.linear(x.float(), self.gate))  # [T, E]
@@ -103,11 +109,17 @@ class V4MoE:
         weights, chosen = self.route(x, ids)
         if self.stacked is not None:
             routed = self.stacked(x, weights, chosen)
+        elif self.exchange is not None:
+            routed = self.exchange(x, weights, chosen, first_prefill)
         else:
-
-            def expert(e: int, rows: torch.Tensor, first: int | None) -> torch.Tensor:
-                return self.experts[e](rows, first)
-
-            routed = grouped_experts(x, weights, chosen, expert, first_prefill)
+            routed = grouped_experts(x, weights, chosen, self._expert, first_prefill)
         # one all-reduce (a no-op on one rank) of this rank's routed + shared partial sums
         return self.tp.all_reduce(routed + self.shared(x, first_prefill))
+
+    def _expert(self, e: int, rows: torch.Tensor, first: int | None) -> torch.Tensor:
+        return self.experts[e - self.local.start](rows, first)
+
+    def idle(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Expert parallelism: take part in this layer's exchange with no tokens."""
+        assert self.exchange is not None, "only an expert-parallel layer exchanges"
+        self.exchange.idle(self.gate.shape[1], dtype, device)

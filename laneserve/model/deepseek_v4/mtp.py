@@ -28,6 +28,7 @@ from laneserve.model.deepseek.mtp import refuse_head_options
 from laneserve.model.deepseek_v4.caches import LayerCaches
 from laneserve.model.deepseek_v4.config import SLIDING
 from laneserve.model.deepseek_v4.model import DeepseekV4Model, V4Layer
+from laneserve.model.deepseek_v4.moe import V4MoE
 from laneserve.model.deepseek_v4.ops import HyperHead, Norm
 from laneserve.model.interface import TOKEN_TABLES
 from laneserve.model.layers.attention import TokenTableMetadata
@@ -54,7 +55,7 @@ class DeepseekV4MtpHead:
         self.e_proj = Linear(kernels, linear_weight(get, f"{PREFIX}.e_proj.weight"), None)
         self.h_proj = Linear(kernels, linear_weight(get, f"{PREFIX}.h_proj.weight"), None)
         rope = base.main_rope
-        self.layer = V4Layer(arch, kernels, get, PREFIX, SLIDING, False, rope, base.tp)
+        self.layer = V4Layer(arch, kernels, get, PREFIX, SLIDING, False, rope, base.tp, base.ep)
         self.hc_head = HyperHead(
             get(f"{PREFIX}.hc_head_fn", torch.float32),
             get(f"{PREFIX}.hc_head_base", torch.float32),
@@ -83,6 +84,11 @@ class DeepseekV4MtpHead:
     def logits(self, streams: torch.Tensor) -> torch.Tensor:  # [N, V] fp32
         collapsed = self.hc_head(streams.view(streams.shape[0], self.n, -1), self.eps)
         return self.base.compute_logits(self.norm(collapsed))
+
+    @property
+    def moe_layers(self) -> list[V4MoE]:
+        """Its routed-expert block (expert parallelism's exchanges)."""
+        return [self.layer.ffn]
 
     def draft(self, streams: torch.Tensor, n: int = 1) -> torch.Tensor:  # [N, n] best first
         return self.kernels.top_tokens(self.logits(streams), n, None)

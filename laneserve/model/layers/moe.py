@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
+from laneserve.distributed.expert_parallel import NO_EXPERTS, ExpertParallel
 from laneserve.distributed.parallel_state import SINGLE, TensorParallel
 from laneserve.kernels import Kernels
 from laneserve.kernels.quant import cat_rows
 from laneserve.kernels.reference import LAYOUT_TORCH
 from laneserve.model.arch import DeepseekParams
+from laneserve.model.layers.expert_exchange import ExpertExchange
+from laneserve.model.layers.expert_groups import ExpertFn, combine, plan_pairs
 from laneserve.model.layers.linear import Linear, LinearWeight, linear_weight
 from laneserve.model.layers.mlp import GatedMLP
 from laneserve.model.layers.parallel_blocks import expert_shards, gated_mlp_shard
@@ -81,7 +84,8 @@ class MoE:
     """Routed experts plus shared experts. With tensor parallelism (`tp`) a rank holds a
     slice of every expert's features (`parallel_blocks.expert_shards`) and of the shared
     experts; the router is replicated. Its routed and shared partial sums are added
-    locally, then all-reduced once (docs/distributed.md)."""
+    locally, then all-reduced once (docs/distributed.md). With expert parallelism (`ep`)
+    a rank holds its share of the routed experts whole (`expert_exchange.py`)."""
 
     def __init__(
         self,
@@ -90,6 +94,7 @@ class MoE:
         get: WeightGetter,
         prefix: str,
         tp: TensorParallel = SINGLE,
+        ep: ExpertParallel = NO_EXPERTS,
     ) -> None:
         self.p, self.tp = p, tp
         # NOTE: the router stays in fp32 whatever the run dtype (as transformers keeps it)
@@ -102,19 +107,21 @@ class MoE:
         # which keep bf16 (and resident fp8) weights as they are, accumulating in fp32 on CPU
         w13: Sequence[LinearWeight]
         w2: Sequence[LinearWeight]
+        self.local = ep.experts(p.n_routed_experts)  # the routed experts this rank holds
         if tp.size == 1:
-            w13 = [
-                fused(get, f"{x}.{i}", ("gate_proj", "up_proj")) for i in range(p.n_routed_experts)
-            ]
-            w2 = [
-                linear_weight(get, f"{x}.{i}.down_proj.weight") for i in range(p.n_routed_experts)
-            ]
+            w13 = [fused(get, f"{x}.{i}", ("gate_proj", "up_proj")) for i in self.local]
+            w2 = [linear_weight(get, f"{x}.{i}.down_proj.weight") for i in self.local]
         else:
             w13, w2 = expert_shards(get, x, p.n_routed_experts, p.moe_intermediate_size, tp)
         self.w13 = [Linear(kernels, w, None) for w in w13]
         self.w2 = [Linear(kernels, w, None) for w in w2]
         self.kernels = kernels
-        self.stacked = StackedExperts.build(kernels, self.w13, self.w2)
+        self.exchange = None
+        self.stacked = None
+        if ep.size > 1:
+            self.exchange = ExpertExchange(ep, p.n_routed_experts, self._expert)
+        else:
+            self.stacked = StackedExperts.build(kernels, self.w13, self.w2)
         self.shared = None
         if p.n_shared_experts:
             self.shared = _shared_experts(p, kernels, get, f"{prefix}.shared_experts", tp)
@@ -130,11 +137,18 @@ class MoE:
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.stacked is not None:
             return self.stacked(x, weights, ids)
+        if self.exchange is not None:
+            return self.exchange(x, weights, ids)
+        return grouped_experts(x, weights, ids, self._expert)
 
-        def expert(e: int, xs: torch.Tensor, _: int | None) -> torch.Tensor:
-            return self.w2[e](self.kernels.silu_and_mul(self.w13[e](xs)))
+    def _expert(self, e: int, xs: torch.Tensor, _: int | None) -> torch.Tensor:
+        i = e - self.local.start
+        return self.w2[i](self.kernels.silu_and_mul(self.w13[i](xs)))
 
-        return grouped_experts(x, weights, ids, expert)
+    def idle(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Expert parallelism: take part in this layer's exchange with no tokens."""
+        assert self.exchange is not None, "only an expert-parallel layer exchanges"
+        self.exchange.idle(self.gate.shape[1], dtype, device)
 
 
 def _shared_experts(
@@ -153,9 +167,6 @@ def fused(get: WeightGetter, stem: str, names: Sequence[str]) -> LinearWeight:
     return cat_rows([linear_weight(get, f"{stem}.{n}.weight") for n in names])
 
 
-ExpertFn = Callable[[int, torch.Tensor, int | None], torch.Tensor]  # (e, rows, first_prefill)
-
-
 def grouped_experts(
     x: torch.Tensor,  # [T, H]
     weights: torch.Tensor,  # [T, k] routing weights
@@ -167,51 +178,17 @@ def grouped_experts(
     results in expert order. An expert's rows keep the step's token order, so its decode
     rows come before its prompt rows and `expert` gets the index of its first prompt row
     (None: no split asked for)."""
-    t, k = ids.shape
-    order, counts, by_token = _group_by_expert(ids)
-    dev = x.device
-    tokens = [i // k for i in order]  # ascending within each expert's run
-    pairs = torch.tensor(order, dtype=torch.int64, device=dev)  # (token, slot) by expert
-    xs = x.index_select(0, torch.tensor(tokens, dtype=torch.int64, device=dev))
+    plan = plan_pairs(ids)
+    xs = x.index_select(0, torch.tensor(plan.tokens, dtype=torch.int64, device=x.device))
     outs, row = [], 0
-    for e, n in counts:
+    for e, n in plan.counts:
         first = None
         if first_prefill is not None:
-            first = bisect_left(tokens, first_prefill, row, row + n) - row
+            first = bisect_left(plan.tokens, first_prefill, row, row + n) - row
         outs.append(expert(e, xs[row : row + n], first))
         row += n
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
-    y = y * weights.flatten().index_select(0, pairs)[:, None].to(x.dtype)
-    # NOTE: each token's k results summed in expert order (the gather puts them so),
-    # as an index_add_ over the sorted rows would; one gather and one reduction
-    # instead of a zero fill and a scatter-add, which is slow on CPU
-    gather = torch.tensor(by_token, dtype=torch.int64, device=dev)
-    return y.index_select(0, gather).view(t, k, -1).sum(dim=1)
-
-
-def _group_by_expert(
-    ids: torch.Tensor,
-) -> tuple[list[int], list[tuple[int, int]], list[int]]:
-    """The (token, slot) pairs of `ids` [T, k] as flat indices sorted by expert (stable),
-    the (expert, count) runs in that order, and for each token (row-major [T, k]) the
-    positions of its pairs in that order, ascending (= its experts in expert order).
-
-    NOTE: read on the host (one read per MoE layer): the per-expert slices need their
-    sizes there, and sorting a few hundred ints in Python costs less than the torch ops.
-    """
-    flat = ids.flatten().tolist()
-    order = sorted(range(len(flat)), key=flat.__getitem__)
-    k = ids.shape[1] if ids.dim() == 2 else 1
-    counts: list[tuple[int, int]] = []
-    per_token: list[list[int]] = [[] for _ in range(len(flat) // max(k, 1))]
-    for pos, i in enumerate(order):
-        e = flat[i]
-        per_token[i // k].append(pos)
-        if counts and counts[-1][0] == e:
-            counts[-1] = (e, counts[-1][1] + 1)
-        else:
-            counts.append((e, 1))
-    return order, counts, [pos for row in per_token for pos in row]
+    return combine(y, weights, plan)
 
 
 class StackedExperts:
