@@ -13,6 +13,7 @@ also carries its position in the step (`calls`), and ranks that disagree raise
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,11 @@ class ExpertParallel:
     # where the counts travel (NCCL: the GPU)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     calls: int = 0  # exchanges made in the current step (worker/expert_steps.py)
+    sent_bytes: int = 0  # ... the bytes this rank sent in them (to itself included)
+    wait_ns: int = 0  # ... and the time spent in their collectives (waiting included)
+
+    def begin_step(self) -> None:
+        self.calls = self.sent_bytes = self.wait_ns = 0
 
     def experts(self, n: int) -> range:
         """The global ids of the routed experts this rank holds (n / size of them)."""
@@ -50,7 +56,7 @@ class ExpertParallel:
         self.calls += 1
         out = torch.tensor([[n, tag] for n in send], dtype=torch.int64, device=self.device)
         back = torch.empty_like(out)
-        dist.all_to_all_single(back, out, group=self.group)
+        self._timed(back, out, None, None)
         tags = back[:, 1].tolist()
         if any(t != tag for t in tags):
             raise OutOfStepError(
@@ -62,8 +68,16 @@ class ExpertParallel:
     def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """Rows of `x` split by `send` (rank order) out; rows split by `recv` in."""
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
+        self._timed(out, x.contiguous(), recv, send)
         return out
+
+    def _timed(
+        self, out: torch.Tensor, x: torch.Tensor, recv: list[int] | None, send: list[int] | None
+    ) -> None:
+        start = time.perf_counter_ns()
+        dist.all_to_all_single(out, x, recv, send, group=self.group)
+        self.wait_ns += time.perf_counter_ns() - start
+        self.sent_bytes += x.numel() * x.element_size()
 
 
 NO_EXPERTS = ExpertParallel()

@@ -41,7 +41,13 @@ class ExpertSteps:
         self.sequence = [*target, *(list(draft) * num_drafts)]
 
     def begin(self) -> None:
-        self.ep.calls = 0
+        self.ep.begin_step()
+
+    def trace_args(self) -> dict[str, float]:
+        """The step's exchanges for its trace span: count, bytes sent, time in them."""
+        ep = self.ep
+        return {"exchanges": ep.calls, "exchange_bytes": ep.sent_bytes,
+                "exchange_ms": ep.wait_ns / 1e6}  # fmt: skip
 
     def finish(self) -> None:
         """The step's remaining exchanges, with no tokens of this rank."""

@@ -16,6 +16,7 @@ stages in the caller's thread (the synchronous path).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,8 +106,9 @@ class Worker:
         self.tp = group.tp if group is not None else SINGLE
         self.tracer = _tracer(config, self.tp)
         self.lane_clock = LaneClock(config.worker.lane_times)
-        if config.worker.num_threads:
-            torch.set_num_threads(config.worker.num_threads)
+        threads = config.worker.num_threads or _host_share(config)
+        if threads:
+            torch.set_num_threads(threads)
         # NOTE: a data-parallel rank (never combined with tensor parallelism) has its own device
         index = config.parallel.data_parallel_rank + self.tp.rank
         self.device = rank_device(resolve_device(config.model.device), index)
@@ -567,7 +569,9 @@ class Worker:
             return StepFailure(inp.step_id, handles_of(inp), f"step failed: {e}")
         finally:
             end = time.perf_counter_ns()
-            args = {"step": inp.step_id, "decode": not inp.prefills}
+            args: dict[str, Any] = {"step": inp.step_id, "decode": not inp.prefills}
+            if steps is not None:
+                args.update(steps.trace_args())
             self.tracer.add("device", "device", start, end, args)
             self.lane_clock.mark(inp.step_id, "device", start, end)
 
@@ -616,6 +620,18 @@ class Worker:
             else self.prepare(pending, self.input_slots[0])
         )
         return self.reclaim(self.device_step(staged))
+
+
+def _host_share(config: EngineConfig) -> int | None:
+    """CPU ranks on one machine split its cores (each rank's torch threads would otherwise
+    take them all and the ranks, waiting on each other's collectives, would be descheduled);
+    None: one rank, or a GPU per rank (torch's choice)."""
+    p = config.parallel
+    ranks = p.data_parallel_size * p.ranks_per_node
+    if ranks == 1 or resolve_device(config.model.device).type != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // ranks)
 
 
 def _max_model_len(config: EngineConfig, ckpt: Checkpoint) -> int:
