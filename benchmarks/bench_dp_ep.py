@@ -27,11 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_deepseek import MID, MID_V4, QUICK, prompts  # noqa: E402
-from laneserve import LLM, SamplingParams  # noqa: E402
-from laneserve.obs.trace_analysis import load_processes, report  # noqa: E402
-from tests.models.tiny_deepseek_v4 import build_tiny_deepseek_v4  # noqa: E402
-from tests.tiny_models import build_tiny_deepseek  # noqa: E402
+from benchmarks.bench_deepseek import MID, MID_V4, QUICK, prompts
+from laneserve import LLM, SamplingParams
+from laneserve.obs.trace_analysis import load_processes, report
+from tests.models.tiny_deepseek_v4 import build_tiny_deepseek_v4
+from tests.tiny_models import build_tiny_deepseek
 
 
 def generate(model: Path, reqs: list[list[int]], tokens: int, **kw: object) -> tuple[float, list]:
@@ -50,7 +50,11 @@ def exchanges(trace_dir: Path) -> list[str]:
     """Per rank: mean exchanges, bytes sent and all-to-all ms per step with exchanges."""
     lines = []
     for name, events in sorted(load_processes([trace_dir]).items()):
-        steps = [e["args"] for e in events if e.get("name") == "device" and "exchanges" in e.get("args", {})]
+        steps = [
+            e["args"]
+            for e in events
+            if e.get("name") == "device" and "exchanges" in e.get("args", {})
+        ]
         if not steps:
             continue
         work = [s for s in steps if s["exchange_bytes"]]
