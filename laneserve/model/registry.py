@@ -127,6 +127,7 @@ FAMILIES = (
         deepseek_v32.weight_shapes,
         _deepseek_v32_mtp,
         supports_side_rows=False,
+        expert_parallel=True,
     ),
     ModelFamily(
         "deepseek_v4",

@@ -139,7 +139,7 @@ class Worker:
         if self.ep.size > 1 and not self.family.expert_parallel:
             raise ValueError(
                 f"enable_expert_parallel: the {self.family.name} family has no expert-parallel "
-                "model (supported: DeepSeek V2 / V3 and V4)"
+                "model (supported: DeepSeek V2 / V3, V3.2 and V4)"
             )
         self.model, self.mtp = self._load_model(store)
         self.expert_steps = self._expert_steps()

@@ -85,6 +85,23 @@ def test_v4_equals_one_device(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_v32_equals_one_device(tmp_path: Path) -> None:
+    """V3.2: sparse attention over the indexer's selection, its MoE divided."""
+    from tests.models.tiny_deepseek_v32 import build_tiny_deepseek_v32
+
+    d = build_tiny_deepseek_v32(tmp_path / "v32", seed=0, index_topk=6)
+    prompts = mixed_prompts(4, seed=2)
+    kw: dict = {"dtype": "float32", "async_scheduling": True}
+    with LLM(str(d), **kw) as llm:
+        want = run(llm, prompts, GREEDY)
+    with LLM(str(d), **EP, **kw) as llm:
+        core = engaged(llm)
+        got = run(llm, prompts, GREEDY)
+        assert min(core.router.routed) >= 1
+    assert got == want
+
+
+@pytest.mark.slow
 def test_killed_worker_fails_every_request_and_the_ranks_restart_together(v3_mtp: Path) -> None:
     args = EngineArgs(model=str(v3_mtp), dtype="float32", **EP)
     eng = LLMEngine(args.create_config())
