@@ -127,6 +127,7 @@ FAMILIES = (
         deepseek_v32.weight_shapes,
         _deepseek_v32_mtp,
         supports_side_rows=False,
+        parallel_sizes=deepseek.parallel_sizes,
         expert_parallel=True,
     ),
     ModelFamily(

@@ -72,3 +72,14 @@ def test_an_uneven_head_count_is_refused_at_start(tmp_path: Path) -> None:
     d = build_tiny_deepseek(tmp_path / "odd", 3, num_attention_heads=3, num_key_value_heads=3)
     with pytest.raises(ValueError, match=r"does not divide the model's attention heads \(3\)"):
         two_ranks(str(d))
+
+
+@pytest.mark.slow
+def test_v32_two_ranks_generate_what_one_device_does(tmp_path: Path) -> None:
+    """V3.2: MLA's heads split, the indexer whole on each rank (`index_topk` 6, so the
+    selection drops tokens of these prompts)."""
+    from tests.models.tiny_deepseek_v32 import build_tiny_deepseek_v32
+
+    d = build_tiny_deepseek_v32(tmp_path / "v32", seed=3, index_topk=6)
+    prompts = mixed_prompts(4, seed=21, lo=8, hi=40)
+    assert_two_ranks_generate_what_one_device_does(str(d), prompts, (True,))

@@ -43,9 +43,9 @@ class DeepseekV32Layer(deepseek.DeepseekLayer):
         rotary: MlaRotary,
         tp: TensorParallel,
     ) -> Any:
-        # NOTE: V3.2 has no tensor-parallel model (its family declares no parallel sizes,
-        # so tensor_parallel_size > 1 is refused before the load)
-        assert tp.size == 1, "DeepSeek V3.2 runs on one rank"
+        # NOTE: under tensor parallelism MLA splits its heads (layers/mla.py); the indexer
+        # is whole on every rank: it sums its heads before its top-k, so every rank
+        # selects the same tokens from the same (replicated) latent and indexer caches
         mla = MlaAttention(arch, kernels, get, prefix, rotary, tp)
         return SparseMlaAttention(mla, Indexer(arch, kernels, get, prefix, rotary))
 
@@ -71,9 +71,10 @@ class DeepseekV32Model(deepseek.DeepseekModel):
 
 
 def cache_groups(
-    arch: ArchConfig, block_size: int, dtype_bytes: int, mtp_layers: int
+    arch: ArchConfig, block_size: int, dtype_bytes: int, mtp_layers: int, tp_size: int = 1
 ) -> list[CacheGroupSpec]:
-    """V3's latent group, then the indexer keys' group (one entry per token and layer)."""
+    """V3's latent group, then the indexer keys' group (one entry per token and layer);
+    both whole on every tensor-parallel rank (`tp_size`)."""
     if mtp_layers:
         raise UnsupportedModelError(mtp_refusal(arch))
     groups = deepseek.cache_groups(arch, block_size, dtype_bytes, 0)
