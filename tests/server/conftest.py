@@ -147,7 +147,10 @@ def shared_server(tiny_models: dict[str, Path]) -> Iterator[Callable[..., Server
 @pytest.fixture(scope="session")
 def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
     """One server for every module without flags of its own (a start costs two
-    interpreters and a model load); modules that break it start their own."""
+    interpreters and a model load); modules that break it start their own. test_faults
+    kills its worker once: the server restarts it and must then serve the same text,
+    so the modules after it see a restarted worker; every module reads counters as
+    differences."""
     s = start_server(tiny_models["llama"], "--max-queued-requests", "64")
     yield s
     stop_server(s)
