@@ -44,10 +44,16 @@ def test_lru_eviction_order() -> None:
 def test_blocks_are_built_on_first_use_and_never_used_ones_go_first() -> None:
     """A pool as large as a CPU budget (~10^5 blocks) builds no block up front, and
     the never-used blocks head the free queue in id order, before every freed one."""
-    before = sum(isinstance(o, KVBlock) for o in gc.get_objects())
-    big = BlockPool(100_000, enable_caching=True)
-    assert sum(isinstance(o, KVBlock) for o in gc.get_objects()) == before
+    gc.disable()  # no collection: every object the pool builds stays in generation 0
+    try:
+        before = len(gc.get_objects(generation=0))
+        big = BlockPool(100_000, enable_caching=True)
+        built = len(gc.get_objects(generation=0)) - before
+    finally:
+        gc.enable()
+    assert built < 100, built
     assert big.num_free_blocks == 100_000 and big.usage == 0.0
+    assert isinstance(big.get_new_blocks(1)[0], KVBlock) and big.num_free_blocks == 99_999
     pool = BlockPool(4, enable_caching=True)
     a, b = pool.get_new_blocks(2)
     assert (a.block_id, b.block_id, pool.num_free_blocks) == (0, 1, 2)
