@@ -40,26 +40,33 @@ class BlockPool:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # NOTE: blocks never handed out (ids _fresh..num_blocks-1) are built on first
+        # use: a CPU budget holds ~10^5 blocks and most are never touched. They head
+        # the free queue in id order, as if queued at start, before every freed block.
+        self._fresh = 0
         # NOTE: insertion order is eviction order (least recently freed first).
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[BlockHash, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._fresh + len(self._free)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
-            self._evict(block)
+            if self._fresh < self.num_blocks:
+                block = KVBlock(self._fresh)
+                self._fresh += 1
+            else:
+                _, block = self._free.popitem(last=False)
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out

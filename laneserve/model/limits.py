@@ -34,15 +34,14 @@ def _from_hf_config(config_path: Path) -> int | None:
 
 
 def _from_gguf(path: Path) -> int | None:
-    import gguf
+    from laneserve.model.gguf_header import read_scalars
 
     try:
-        fields = gguf.GGUFReader(str(path)).fields
-        arch = fields["general.architecture"].contents()
-        value = fields.get(f"{arch}.context_length")
-    except Exception:  # unreadable header: the loader reports it
+        fields = read_scalars(path)  # the header only: the tokenizer's arrays are skipped
+    except (OSError, ValueError):  # unreadable header: the loader reports it
         return None
-    return int(value.contents()) if value is not None else None
+    value = fields.get(f"{fields.get('general.architecture')}.context_length")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def check_max_model_len(model: str | None, want: int | None) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
-from laneserve.core.block_pool import BlockPool, hash_block
+from laneserve.core.block_pool import BlockPool, KVBlock, hash_block
 from laneserve.core.kv_cache_manager import KVCacheManager
 from laneserve.core.request import Request
 from laneserve.sampling_params import SamplingParams
@@ -37,6 +39,30 @@ def test_lru_eviction_order() -> None:
     # ... so the next evictions take 2 then 1, never 0
     assert [b.block_id for b in pool.get_new_blocks(2)] == [2, 1]
     assert pool.get_cached_block(bytes([0]) * 32) is blocks[0]
+
+
+def test_blocks_are_built_on_first_use_and_never_used_ones_go_first() -> None:
+    """A pool as large as a CPU budget (~10^5 blocks) builds no block up front, and
+    the never-used blocks head the free queue in id order, before every freed one."""
+    gc.disable()  # no collection: every object the pool builds stays in generation 0
+    try:
+        before = len(gc.get_objects(generation=0))
+        big = BlockPool(100_000, enable_caching=True)
+        built = len(gc.get_objects(generation=0)) - before
+    finally:
+        gc.enable()
+    assert built < 100, built
+    assert big.num_free_blocks == 100_000 and big.usage == 0.0
+    assert isinstance(big.get_new_blocks(1)[0], KVBlock) and big.num_free_blocks == 99_999
+    pool = BlockPool(4, enable_caching=True)
+    a, b = pool.get_new_blocks(2)
+    assert (a.block_id, b.block_id, pool.num_free_blocks) == (0, 1, 2)
+    pool.free_blocks([b, a])  # tail-first: b is evicted before a
+    assert [x.block_id for x in pool.get_new_blocks(3)] == [2, 3, 1]
+    assert pool.num_free_blocks == 1 and pool.usage == 0.75
+    with pytest.raises(RuntimeError, match="asked for 2 blocks, 1 free"):
+        pool.get_new_blocks(2)
+    assert pool.get_new_blocks(1)[0] is a
 
 
 def test_ref_counts_and_double_free() -> None:

@@ -100,10 +100,57 @@ def stop_server(server: Server) -> None:
             server.proc.kill()
 
 
+# Flag sets of the servers that several modules share (see `shared_server`).
+# LIMITED: small body and --max-n limits (test_hardening, test_fuzz); refuses a
+# request's own chat template, as test_hardening checks.
+LIMIT_BYTES = 10_000
+MAX_N = 4
+LIMITED = ("--max-request-bytes", str(LIMIT_BYTES), "--max-n", str(MAX_N))
+# VLLM_STYLE: a vLLM-style launch line (flags from vLLM's docs and scripts), two served
+# names, a request's own chat template trusted (test_vllm_launch, test_request_fields,
+# test_isolation, test_fuzz_structured).
+MAX_LOGPROBS = 3
+MAX_NUM_SEQS = 16
+VLLM_STYLE = (
+    "--disable-log-stats", "--disable-log-requests", "--enable-chunked-prefill",
+    "--swap-space", "16", "--kv-cache-dtype", "auto", "--max-logprobs", str(MAX_LOGPROBS),
+    "--load-format", "safetensors", "--max-num-seqs", str(MAX_NUM_SEQS), "--trust-remote-code",
+    "--served-model-name", "tiny", "alias-b", "--uvicorn-log-level", "error",
+    "--tensor-parallel-size", "1", "--trust-request-chat-template",
+)  # fmt: skip
+# QWEN2: the qwen2 checkpoint with room for many concurrent constrained requests
+# (test_structured_output, test_responses_api).
+QWEN2 = ("--max-num-seqs", "32")
+
+
+@pytest.fixture(scope="session")
+def shared_server(tiny_models: dict[str, Path]) -> Iterator[Callable[..., Server]]:
+    """`shared_server(family, *flags)`: one server per (tiny model, flag set) for the
+    whole session, started on first use (a start costs two interpreters, a model load
+    and the kernel library). Safe because every module that shares one takes its
+    reference texts on the server it gets, reads gauges that return to 0 when idle (no
+    counter totals) and leaves the server serving: each ends by checking that it does."""
+    started: dict[tuple[str, ...], Server] = {}
+
+    def get(family: str, *flags: str) -> Server:
+        key = (family, *flags)
+        if key not in started:
+            started[key] = start_server(tiny_models[family], *flags)
+        assert started[key].proc.poll() is None, f"the shared server {key} exited"
+        return started[key]
+
+    yield get
+    for s in started.values():
+        stop_server(s)
+
+
 @pytest.fixture(scope="session")
 def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
     """One server for every module without flags of its own (a start costs two
-    interpreters and a model load); modules that break it start their own."""
+    interpreters and a model load); modules that break it start their own. test_faults
+    kills its worker once: the server restarts it and must then serve the same text,
+    so the modules after it see a restarted worker; every module reads counters as
+    differences."""
     s = start_server(tiny_models["llama"], "--max-queued-requests", "64")
     yield s
     stop_server(s)

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import Server, start_server, stop_server
-
-MAX_N = 4
+from tests.server.conftest import LIMITED, MAX_N, Server
 
 # integers near every boundary a field has: 0, vocab (320), max_model_len (256),
 # 32 / 64 bits, and far beyond them
@@ -93,10 +90,8 @@ FUZZ = settings(
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
-    s = start_server(tiny_models["llama"], "--max-n", str(MAX_N))
-    yield s
-    stop_server(s)
+def server(shared_server: Callable[..., Server]) -> Server:
+    return shared_server("llama", *LIMITED)  # shared with test_hardening
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,14 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import Server, start_server, stop_server
+from tests.server.conftest import VLLM_STYLE, Server
 from tests.server.test_fuzz import anything, texts
 
 INNOCENT = {"prompt": "The old lighthouse", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -161,10 +160,8 @@ class Innocents:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
-    s = start_server(tiny_models["llama"], "--max-num-seqs", "8")
-    yield s
-    stop_server(s)
+def server(shared_server: Callable[..., Server]) -> Server:
+    return shared_server("llama", *VLLM_STYLE)
 
 
 @pytest.fixture(scope="module")

@@ -6,28 +6,20 @@ it gave before."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 
-from tests.server.conftest import Server, start_server, stop_server
+from tests.server.conftest import LIMIT_BYTES, LIMITED, MAX_N, Server
 
-LIMIT_BYTES = 10_000
-MAX_N = 8
 BIG = 2**70  # fits no 64-bit integer: used to kill the step encoder
 SURROGATE = "\ud800"  # a lone surrogate: valid JSON (escaped), not valid UTF-8
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
-    s = start_server(
-        tiny_models["llama"],
-        "--max-request-bytes", str(LIMIT_BYTES), "--max-n", str(MAX_N),
-    )  # fmt: skip
-    yield s
-    stop_server(s)
+def server(shared_server: Callable[..., Server]) -> Server:
+    return shared_server("llama", *LIMITED)  # shared with test_fuzz
 
 
 @pytest.fixture(scope="module")

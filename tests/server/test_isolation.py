@@ -10,14 +10,13 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.conftest import Server, start_server, stop_server, wait_for
+from tests.server.conftest import MAX_NUM_SEQS, VLLM_STYLE, Server, wait_for
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
@@ -29,10 +28,8 @@ HEALTH_BOUND_S = 1.0
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_models: dict[str, Path]) -> Iterator[Server]:
-    s = start_server(tiny_models["llama"], "--max-num-seqs", "16", "--trust-request-chat-template")
-    yield s
-    stop_server(s)
+def srv(shared_server: Callable[..., Server]) -> Server:
+    return shared_server("llama", *VLLM_STYLE)  # a request's own chat template trusted
 
 
 def _stream_text(server: Server, body: dict) -> str:
@@ -275,7 +272,7 @@ def test_an_abort_storm_drains_to_nothing(srv: Server) -> None:
         async with httpx.AsyncClient(timeout=120, limits=limits) as http:
             tasks = [asyncio.create_task(client(http)) for _ in range(200)]
             deadline = time.monotonic() + 60
-            while started < 16 and time.monotonic() < deadline:  # the running set is full
+            while started < MAX_NUM_SEQS and time.monotonic() < deadline:  # the running set is full
                 await asyncio.sleep(0.05)
             for t in tasks:  # all at once
                 t.cancel()

@@ -4,13 +4,13 @@ prompt + max_tokens beyond the context is a 400 (as vLLM), not a cut-off."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.conftest import Server, start_server, stop_server
+from tests.server.conftest import VLLM_STYLE, Server
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -19,15 +19,9 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models: dict[str, Path]) -> Iterator[Server]:
+def server(shared_server: Callable[..., Server]) -> Server:
     # vLLM's flags: several served names, accepted no-ops, uvicorn's log level
-    s = start_server(
-        tiny_models["llama"], "--served-model-name", "tiny", "alias-b", "--trust-remote-code",
-        "--disable-log-requests", "--uvicorn-log-level", "error", "--tensor-parallel-size", "1",
-        "--trust-request-chat-template",
-    )  # fmt: skip
-    yield s
-    stop_server(s)
+    return shared_server("llama", *VLLM_STYLE)
 
 
 def _rejected(r: httpx.Response, field: str) -> None:

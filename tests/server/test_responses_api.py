@@ -6,7 +6,7 @@ the refusals; plus `/tokenize`, `/detokenize`, `/ping`, `/v1/embeddings`."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import Server, start_server, stop_server
+from tests.server.conftest import QWEN2, Server
 
 TOOLS = [
     {
@@ -37,10 +37,8 @@ class Item(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_models: dict[str, Path]) -> Iterator[Server]:
-    s = start_server(tiny_models["qwen2"])
-    yield s
-    stop_server(s)
+def tiny(shared_server: Callable[..., Server]) -> Server:
+    return shared_server("qwen2", *QWEN2)  # shared with test_structured_output
 
 
 def chat_text(s: Server, messages: list[dict], max_tokens: int) -> tuple[str, dict]:

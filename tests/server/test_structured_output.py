@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -17,7 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 from tokenizers import Tokenizer
 
-from tests.server.conftest import Server, start_server, stop_server
+from tests.server.conftest import QWEN2, Server, start_server, stop_server
 
 USER = [{"role": "user", "content": "Describe one item as JSON."}]
 
@@ -40,10 +40,8 @@ class Order(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_models: dict[str, Path]) -> Iterator[Server]:
-    s = start_server(tiny_models["qwen2"], "--max-num-seqs", "32")
-    yield s
-    stop_server(s)
+def tiny(shared_server: Callable[..., Server]) -> Server:
+    return shared_server("qwen2", *QWEN2)  # shared with test_responses_api
 
 
 @pytest.mark.parametrize("model", [Flag, Point, Order])

@@ -5,31 +5,23 @@ and `stop_reason` come back in vLLM's shapes."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import Server, start_server, stop_server
-
-VLLM_FLAGS = (
-    "--disable-log-stats", "--disable-log-requests", "--enable-chunked-prefill",
-    "--swap-space", "16", "--kv-cache-dtype", "auto", "--max-logprobs", "3",
-    "--load-format", "safetensors", "--max-num-seqs", "8", "--trust-remote-code",
-)  # fmt: skip
+from tests.server.conftest import MAX_LOGPROBS, VLLM_STYLE, Server
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_models: dict[str, Path]) -> Iterator[Server]:
-    s = start_server(tiny_models["llama"], *VLLM_FLAGS)
-    yield s
-    stop_server(s)
+def srv(shared_server: Callable[..., Server]) -> Server:
+    return shared_server("llama", *VLLM_STYLE)  # the launch line
 
 
 def test_max_logprobs_is_enforced(srv: Server) -> None:
     body = {"model": srv.model, "prompt": "The old", "max_tokens": 2}
-    assert srv.post("/v1/completions", {**body, "logprobs": 3}).status_code == 200
-    r = srv.post("/v1/completions", {**body, "logprobs": 4})
+    assert srv.post("/v1/completions", {**body, "logprobs": MAX_LOGPROBS}).status_code == 200
+    r = srv.post("/v1/completions", {**body, "logprobs": MAX_LOGPROBS + 1})
     assert r.status_code == 400 and "--max-logprobs" in r.json()["error"]["message"]
     r = srv.post("/v1/completions", {**body, "prompt_logprobs": 5})
     assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]

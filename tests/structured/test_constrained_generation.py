@@ -65,7 +65,10 @@ def _check_all_valid(model: Path, work: list, got: list) -> None:
         assert _valid(sp.structured_outputs, text), (sp.structured_outputs, text)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+# NOTE: qwen3 slow (CI): the grammar and draft checks are the same for every family;
+# qwen3 under speculation stays in the default suite in test_spec_decode's
+# test_known_zero_acceptance
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_grammar_outputs_identical_across_async_and_speculation(bigram: dict, family: str) -> None:  # noqa: F811
     model, _, half, _ = bigram[family]
     work = _work(seed=11)
