@@ -152,6 +152,7 @@ def test_refusals() -> None:
     assert cfg.parallel.expert_parallel_size == 1
 
 
+@pytest.mark.slow  # two worker starts that fail; the config refusals above stay quick
 def test_a_family_without_experts_and_experts_that_do_not_divide(
     tiny_models: dict[str, Path], v3_mtp: Path
 ) -> None:

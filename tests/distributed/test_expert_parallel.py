@@ -39,12 +39,13 @@ def _check(ranks: list[dict], idle: int) -> None:
     assert all("exchange" in str(r["out_of_step"]) for r in ranks)
 
 
-@pytest.mark.parametrize("idle", [-1, 1])
+@pytest.mark.parametrize("idle", [1, pytest.param(-1, marks=pytest.mark.slow)])
 def test_v3_moe_layers_equal_one_rank(v3: Path, tmp_path: Path, idle: int) -> None:
     ranks = spawn_ranks(run_rank, (str(v3), str(tmp_path), idle), tmp_path, limit_s=300)
     _check(ranks, idle)
 
 
+@pytest.mark.slow
 def test_v4_moe_layers_equal_one_rank(v4: Path, tmp_path: Path) -> None:
     """Hash-routed and learned layers, decode and prompt rows (the kernels' two paths)."""
     ranks = spawn_ranks(run_rank, (str(v4), str(tmp_path), 0), tmp_path, limit_s=300)
