@@ -1,11 +1,15 @@
 // quant_linear, AVX2 variant (picked by the caller where the CPU has no AVX-512): the same
 // repacked GGUF records as quant_linear.cpp, with each 16-column record as two ymm halves.
 //
-// NOTE (exactness): as in quant_linear.cpp, each weight is rebuilt as s * q (+ o), one
-// mul_ps and one add_ps (-ffp-contract=off), and each output is the chain
+// NOTE (exactness): each weight is the value quant.py `dequantize` computes, round(round(s *
+// q) + o), and each output is the chain
 //   acc = fma(x[k], w[k], acc) for k = 0..K-1 from 0, then + bias,
 // so the result is bitwise linear(x, dequantize(W)) on the fp32 path, independent of M, of
-// the tile shape and of the thread split. It reads ~5x fewer weight bytes than that fp32
+// the tile shape and of the thread split. Unlike quant_linear.cpp, the weight is rebuilt
+// with one fma(q, s, o): s * q is exact in fp32 (s: an fp16, or for q4_k an fp16 times a
+// 6-bit integer, at most 17 significant bits; q: at most 8 bits; never near fp32's
+// subnormals or overflow), so round(s * q + o) == round(round(s * q) + o), bit for bit.
+// One vector op fewer per 8 weights; batch-1 decode here is bound by these ops. It reads ~5x fewer weight bytes than that fp32
 // path (q4_1: 20 bytes per 32 weights against 128), which is what batch-1 decode waits on.
 
 #include "quant_tiles.h"
@@ -28,12 +32,11 @@ inline void load_scales(const uint8_t* p, __m256& lo, __m256& hi) {
   }
 }
 
-// 8 columns' weights from their integer quants: s * q (+ o), rounded per op.
+// 8 columns' weights from their integer quants: s * q (+ o), as the module NOTE explains.
 template <int64_t Q>
 inline __m256 rebuild(__m256i q, __m256 s, __m256 o) {
-  const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(q), s);
-  if constexpr (has_offset(Q)) return _mm256_add_ps(w, o);
-  return w;
+  if constexpr (has_offset(Q)) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, o);
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(q), s);
 }
 
 // Integer quants of k = 2j (e) and 2j + 1 (d) for 16 columns: [half][column / 8].
@@ -102,6 +105,11 @@ void quant_tile(const QuantArgs& a, int64_t m0, int64_t b0) {
     }
     const float* xg = x + g * kGroupK;
     for (int j = 0; j < kGroupK / 2; ++j) {
+      __m256 x0[R], x1[R];
+      for (int r = 0; r < R; ++r) {
+        x0[r] = _mm256_broadcast_ss(xg + r * K + 2 * j);
+        x1[r] = _mm256_broadcast_ss(xg + r * K + 2 * j + 1);
+      }
       for (int c = 0; c < C; ++c) {
         __m256i e[2], d[2];
         load_quants<Q>(quants[c], j, e, d);
@@ -109,10 +117,8 @@ void quant_tile(const QuantArgs& a, int64_t m0, int64_t b0) {
           const __m256 w0 = rebuild<Q>(e[h], s[c][h], o[c][h]);
           const __m256 w1 = rebuild<Q>(d[h], s[c][h], o[c][h]);
           for (int r = 0; r < R; ++r) {
-            const __m256 x0 = _mm256_broadcast_ss(xg + r * K + 2 * j);
-            const __m256 x1 = _mm256_broadcast_ss(xg + r * K + 2 * j + 1);
-            acc[c][r][h] = _mm256_fmadd_ps(x0, w0, acc[c][r][h]);
-            acc[c][r][h] = _mm256_fmadd_ps(x1, w1, acc[c][r][h]);
+            acc[c][r][h] = _mm256_fmadd_ps(x0[r], w0, acc[c][r][h]);
+            acc[c][r][h] = _mm256_fmadd_ps(x1[r], w1, acc[c][r][h]);
           }
         }
       }

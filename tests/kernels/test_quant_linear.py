@@ -125,6 +125,33 @@ def test_native_variants_agree_on_special_values(ck: CpuKernels) -> None:
         assert torch.equal(got.isnan(), want.isnan())
 
 
+EXTREME_FP16 = [65504.0, -65504.0, 2.0**-24, -(2.0**-24), 0.0, -0.0, 6.1e-5, 1.0, -3.5]
+
+
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+def test_native_exact_at_extreme_scales(ck: CpuKernels, qtype: str) -> None:
+    """Scales and offsets at fp16's extremes (max, subnormal, signed zeros): the AVX2
+    variant rebuilds a weight with one fma(q, s, o), which must round like the reference's
+    mul then add (quant_linear_avx2.cpp NOTE); also the AVX-512 one where the CPU has it."""
+    qw = random_blocks(qtype, 45, 256, seed=7)
+    nbytes = GGUF_BLOCKS[qtype][1]
+    raw = qw.data.view(-1, nbytes).clone()
+    fields = 2 if qtype in ("q4_1", "q4_k") else 1
+    values = torch.tensor(EXTREME_FP16, dtype=torch.float16)
+    for f in range(fields):
+        picks = values[torch.arange(raw.shape[0]) * (f + 2) % len(EXTREME_FP16)]
+        raw[:, 2 * f : 2 * f + 2] = picks.view(torch.uint8).view(-1, 2)
+    qw = QuantWeight(raw.view(45, -1), qtype, 256)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)) * 1e-3
+    isas = ["avx2", "avx512"] if ck.isa == "avx512" else ["avx2"]
+    for isa in isas:
+        k = CpuKernels(dataclasses.replace(ck.lib, isa=isa))
+        got = k.linear(x, k.pack_gguf_weight(qw))
+        want = k.linear(x, k.pack_linear_weight(quant.dequantize(qw)))
+        assert torch.equal(got, want), isa
+        assert torch.equal(got.signbit(), want.signbit()), isa
+
+
 def test_torch_kernels_take_gguf_weights() -> None:
     from laneserve.kernels import TorchKernels
 
