@@ -42,8 +42,9 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
-def _packed_bytes() -> list[int]:
-    """Wraps CpuKernels' packers to record each packed weight's bytes (in this process)."""
+def _packed_bytes(variant: str) -> list[int]:
+    """Wraps CpuKernels' packers to record each packed weight's bytes (in this process);
+    the `fp32-weights` variant packs GGUF weights as their fp32 dequantization."""
     from laneserve.kernels import CpuKernels, quant
 
     sizes: list[int] = []
@@ -55,7 +56,7 @@ def _packed_bytes() -> list[int]:
         return pw
 
     def gguf(self, w):  # type: ignore[no-untyped-def]
-        if _VARIANT[0] == FP32_WEIGHTS:
+        if variant == FP32_WEIGHTS:
             return dense(self, quant.dequantize(w))
         pw = pack_gguf(self, w)
         sizes.append(pw.data.nbytes)
@@ -66,16 +67,12 @@ def _packed_bytes() -> list[int]:
     return sizes
 
 
-_VARIANT = [""]
-
-
 def run_variant(variant: str, repeats: int, profile: bool, threads: int) -> dict:
     from laneserve import LLM, SamplingParams
     from laneserve.bench.workload import corpus_ids, prompt_token_ids
 
-    _VARIANT[0] = variant
     torch.set_num_threads(threads)
-    sizes = _packed_bytes()
+    sizes = _packed_bytes(variant)
     mode = "quantized" if variant == FP32_WEIGHTS else variant
     with LLM(
         gguf_weights=mode, enable_prefix_caching=False, worker_mode="thread", num_threads=threads
