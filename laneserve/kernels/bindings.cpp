@@ -14,7 +14,9 @@ TORCH_LIBRARY(laneserve, m) {
   m.def(
       "linear_prefill(Tensor x, Tensor w, int out_features, Tensor? bias, int first_prefill, "
       "int method=0) -> Tensor");
-  m.def("quant_linear(Tensor x, Tensor w, int out_features, int qtype, Tensor? bias) -> Tensor");
+  m.def(
+      "quant_linear(Tensor x, Tensor w, int out_features, int qtype, Tensor? bias, int isa=1) "
+      "-> Tensor");
   m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "quant_linear_q8(Tensor x, Tensor w, int out_features, int qtype, Tensor? bias) -> "

@@ -46,6 +46,7 @@ SOURCES = tuple(
         "linear_amx.cpp",
         "linear_dpbf16.cpp",
         "quant_linear.cpp",
+        "quant_linear_avx2.cpp",
         "quant_linear_q8.cpp",
         "scaled_linear.cpp",
         "elementwise.cpp",

@@ -25,9 +25,14 @@ LAYOUT_BLOCKED_512 = "blocked16-avx512"  # the same; bf16 as row pairs, K padded
 CAUSAL_ATTENTION_MAX_HEAD_DIM = 256  # causal_attention.cpp kMaxDv
 _ISA_CODE = {"avx2": 0, "avx512": 1}  # linear.cpp kIsaAvx2 / kIsaAvx512
 _ISA_LAYOUT = {"avx2": LAYOUT_BLOCKED, "avx512": LAYOUT_BLOCKED_512}
-# GGUF weights kept quantized (quant_linear.cpp, AVX-512): layout name -> the op's qtype
 _HYPER_DTYPES = {torch.float32, torch.bfloat16}  # hyper.cpp's streams / outputs
-_GGUF_LAYOUT = {f"gguf-{name}-avx512": code for name, code in quant.QTYPE_CODE.items()}
+# GGUF weights kept quantized (quant_linear.cpp, AVX-512 or AVX2; one record layout):
+# layout name -> (the op's qtype, its isa)
+_GGUF_LAYOUT = {
+    f"gguf-{name}-{isa}": (code, _ISA_CODE[isa])
+    for name, code in quant.QTYPE_CODE.items()
+    for isa in _ISA_CODE
+}
 # ... with int8 activations (quant_linear_q8.cpp, AVX-512 VNNI)
 _GGUF_Q8_LAYOUT = {f"gguf-{name}-q8-vnni": code for name, code in quant.QTYPE_CODE.items()}
 # block-scaled fp8 / fp4 kept as stored (scaled_linear.cpp, AVX2): layout -> the op's fmt
@@ -92,16 +97,14 @@ class CpuKernels:
         return PackedWeight(data, w.shape[0], w.shape[1], w.dtype, layout)
 
     def pack_gguf_weight(self, w: QuantWeight) -> PackedWeight:
-        """A GGUF-quantized weight kept quantized (AVX-512: quant_linear.cpp's layout);
-        elsewhere its exact fp32 dequantization, which ``linear`` maps to the same bits."""
+        """A GGUF-quantized weight kept quantized (quant_linear.cpp's layout, AVX-512 or
+        AVX2 by ``isa``); ``linear`` maps it to the bits of its exact fp32 dequantization."""
         n, k = w.shape
         if w.activations == "q8":  # int8 activations: VNNI, else the exact torch reference
             if not self.vnni:
                 return self._fallback.pack_gguf_weight(w)
             return PackedWeight(q8.repack(w), n, k, torch.uint8, f"gguf-{w.qtype}-q8-vnni")
-        if self.isa != "avx512":
-            return self.pack_linear_weight(quant.dequantize(w))
-        return PackedWeight(quant.repack(w), n, k, torch.uint8, f"gguf-{w.qtype}-avx512")
+        return PackedWeight(quant.repack(w), n, k, torch.uint8, f"gguf-{w.qtype}-{self.isa}")
 
     def pack_scaled_weight(self, w: ScaledWeight) -> PackedWeight:
         """A block-scaled fp8 / fp4 weight in its stored bytes, byte-transposed into
@@ -131,9 +134,9 @@ class CpuKernels:
             fmt = _SCALED_LAYOUT[w.layout]
             return self._scaled_linear(x, w.data, w.scale, w.out_features, fmt, w.group, bias)
         if w.dtype is torch.uint8:  # GGUF blocks (pack_gguf_weight)
-            code = _GGUF_LAYOUT.get(w.layout)
-            if code is not None:
-                return self._quant_linear(x, w.data, w.out_features, code, bias)
+            native = _GGUF_LAYOUT.get(w.layout)
+            if native is not None:
+                return self._quant_linear(x, w.data, w.out_features, native[0], bias, native[1])
             code = _GGUF_Q8_LAYOUT[w.layout]
             return self._quant_linear_q8(x, w.data, w.out_features, code, bias)
         if w.layout.endswith(q8.TORCH_LAYOUT_SUFFIX):  # no VNNI: the exact reference

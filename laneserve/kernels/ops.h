@@ -24,7 +24,7 @@ at::Tensor linear_prefill(const at::Tensor& x_in, const at::Tensor& w, int64_t n
                           int64_t method);
 // quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
-                        int64_t qtype, const std::optional<at::Tensor>& bias_in);
+                        int64_t qtype, const std::optional<at::Tensor>& bias_in, int64_t isa);
 // quant_linear_q8.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x_in);
 at::Tensor quant_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,

@@ -1,7 +1,7 @@
 // quant_linear: y[M, N] = x[M, K] @ W^T (+ bias) with W kept as GGUF-quantized blocks
-// (q4_0, q4_1, q8_0, q4_k), repacked by laneserve/kernels/quant.py (`repack`). AVX-512 only;
-// on other CPUs CpuKernels multiplies by the dequantized fp32 weight, which gives the same
-// bits (see below).
+// (q4_0, q4_1, q8_0, q4_k), repacked by laneserve/kernels/quant.py (`repack`). This file
+// holds the AVX-512 variant and the entry point; quant_linear_avx2.cpp the AVX2 one (the
+// caller picks by `isa`, as for linear). Both give the same bits (see below).
 //
 // Layout: [nblk = ceil(N/16), G = K/32, record]; a record covers 16 output columns and one
 // 32-wide group of k: 16 scales (fp16; fp32 for q4_k), 16 offsets (q4_1, q4_k), then the
@@ -23,14 +23,6 @@
 
 namespace laneserve {
 namespace {
-
-struct QuantArgs {
-  const float* x;     // [M, K]
-  const uint8_t* w;   // [nblk, G, record]
-  const float* bias;  // [N] or nullptr
-  float* out;         // [M, N]
-  int64_t M, K, N, G, record;
-};
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw")
@@ -140,8 +132,9 @@ void quant_driver(const QuantArgs& a) {
 }  // namespace
 
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_out,
-                        int64_t qtype, const std::optional<at::Tensor>& bias_in) {
+                        int64_t qtype, const std::optional<at::Tensor>& bias_in, int64_t isa) {
   TORCH_CHECK(qtype >= kQ4_0 && qtype <= kQ4_K, "quant_linear: unknown qtype ", qtype);
+  TORCH_CHECK(isa == 0 || isa == 1, "quant_linear: unknown isa ", isa);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
               "quant_linear: x must be a 2-D float32 tensor");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -165,6 +158,10 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n_o
   if (M == 0 || n_out == 0) return out;
   const QuantArgs a{x.data_ptr<float>(), w.data_ptr<uint8_t>(), bias, out.data_ptr<float>(),
                     M, K, n_out, K / kGroupK, rec};
+  if (isa == 0) {  // linear.cpp's kIsaAvx2
+    quant_linear_avx2(a, qtype);
+    return out;
+  }
   dispatch_qtype(qtype, [&](auto q) { quant_driver<decltype(q)::value>(a); });
   return out;
 }

@@ -28,6 +28,18 @@ constexpr int64_t record_bytes(int64_t q) {
   return (has_offset(q) ? 2 : 1) * scale_bytes(q) * kNB + quant_bytes(q);
 }
 
+// One quant_linear call: y[M, N] = x[M, K] @ W^T (+ bias), W as [nblk, G = K/32, record].
+struct QuantArgs {
+  const float* x;     // [M, K]
+  const uint8_t* w;   // [nblk, G, record]
+  const float* bias;  // [N] or nullptr
+  float* out;         // [M, N]
+  int64_t M, K, N, G, record;
+};
+
+// The AVX2 (+FMA, F16C) variant of quant_linear (quant_linear_avx2.cpp): same layout, bits.
+void quant_linear_avx2(const QuantArgs& a, int64_t qtype);
+
 template <int N>
 using Count = std::integral_constant<int, N>;
 template <int64_t Q>

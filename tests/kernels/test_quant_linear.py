@@ -58,13 +58,23 @@ def test_cat_rows_concatenates_blocks() -> None:
 
 @pytest.fixture(params=["avx512", "avx2"])
 def cpu_kernels(ck: CpuKernels, request: pytest.FixtureRequest) -> CpuKernels:
-    """The native kernel (AVX-512) and the fallback that packs the dequantized weight."""
+    """The native kernel in both variants (AVX-512 where the CPU has it, and AVX2)."""
     if request.param == "avx512" and ck.isa != "avx512":
         pytest.skip("this CPU has no AVX-512")
     return CpuKernels(dataclasses.replace(ck.lib, isa=request.param))
 
 
-SHAPES = [(1, 7, 32), (3, 33, 96), (6, 16, 256), (7, 50, 512), (13, 129, 768), (1, 576, 1536)]
+SHAPES = [
+    (1, 7, 32),
+    (1, 31, 64),  # 2 column blocks, the second partial (a 1-row tile of 4 blocks falls back)
+    (2, 65, 96),  # 5 blocks: a 2-row tile of 2 blocks twice, then one
+    (3, 33, 96),
+    (6, 16, 256),
+    (7, 50, 512),
+    (13, 129, 768),
+    (1, 576, 1536),
+    (1, 4100, 576),  # wide N: split over threads (the LM head's shape, smaller)
+]
 
 
 @pytest.mark.parametrize("qtype", quant.QTYPES)
@@ -78,6 +88,7 @@ def test_native_equals_dequantized_fp32(
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     bias = torch.randn(n) if n % 2 else None
     native = cpu_kernels.pack_gguf_weight(qw)
+    assert native.dtype is torch.uint8 and native.layout == f"gguf-{qtype}-{cpu_kernels.isa}"
     ref = cpu_kernels.pack_linear_weight(quant.dequantize(qw))
     got = cpu_kernels.linear(x, native, bias)
     want = cpu_kernels.linear(x, ref, bias)
@@ -97,6 +108,48 @@ def test_native_is_batch_invariant(cpu_kernels: CpuKernels, qtype: str) -> None:
     full = cpu_kernels.linear(x, w)
     for i in (0, 5, 10):
         assert torch.equal(cpu_kernels.linear(x[i : i + 1], w), full[i : i + 1])
+
+
+def test_native_variants_agree_on_special_values(ck: CpuKernels) -> None:
+    """Both variants against the fp32 path where the activations hold inf, nan, -0.0 and
+    denormals (the FMA chain order decides which nan / inf comes out)."""
+    qw = random_blocks("q4_1", 37, 128, seed=5)
+    x = torch.randn(5, 128)
+    x[0, 3], x[1, 7], x[2, 0], x[3, 64] = float("inf"), float("nan"), -0.0, 1e-42
+    isas = ["avx2", "avx512"] if ck.isa == "avx512" else ["avx2"]
+    for isa in isas:
+        k = CpuKernels(dataclasses.replace(ck.lib, isa=isa))
+        got = k.linear(x, k.pack_gguf_weight(qw))
+        want = k.linear(x, k.pack_linear_weight(quant.dequantize(qw)))
+        assert torch.equal(got.nan_to_num(1.0, 2.0, 3.0), want.nan_to_num(1.0, 2.0, 3.0)), isa
+        assert torch.equal(got.isnan(), want.isnan())
+
+
+EXTREME_FP16 = [65504.0, -65504.0, 2.0**-24, -(2.0**-24), 0.0, -0.0, 6.1e-5, 1.0, -3.5]
+
+
+@pytest.mark.parametrize("qtype", quant.QTYPES)
+def test_native_exact_at_extreme_scales(ck: CpuKernels, qtype: str) -> None:
+    """Scales and offsets at fp16's extremes (max, subnormal, signed zeros): the AVX2
+    variant rebuilds a weight with one fma(q, s, o), which must round like the reference's
+    mul then add (quant_linear_avx2.cpp NOTE); also the AVX-512 one where the CPU has it."""
+    qw = random_blocks(qtype, 45, 256, seed=7)
+    nbytes = GGUF_BLOCKS[qtype][1]
+    raw = qw.data.view(-1, nbytes).clone()
+    fields = 2 if qtype in ("q4_1", "q4_k") else 1
+    values = torch.tensor(EXTREME_FP16, dtype=torch.float16)
+    for f in range(fields):
+        picks = values[torch.arange(raw.shape[0]) * (f + 2) % len(EXTREME_FP16)]
+        raw[:, 2 * f : 2 * f + 2] = picks.view(torch.uint8).view(-1, 2)
+    qw = QuantWeight(raw.view(45, -1), qtype, 256)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)) * 1e-3
+    isas = ["avx2", "avx512"] if ck.isa == "avx512" else ["avx2"]
+    for isa in isas:
+        k = CpuKernels(dataclasses.replace(ck.lib, isa=isa))
+        got = k.linear(x, k.pack_gguf_weight(qw))
+        want = k.linear(x, k.pack_linear_weight(quant.dequantize(qw)))
+        assert torch.equal(got, want), isa
+        assert torch.equal(got.signbit(), want.signbit()), isa
 
 
 def test_torch_kernels_take_gguf_weights() -> None:
