@@ -4,8 +4,8 @@ speculation.
 A random mid-size checkpoint (V3: MLA, routed MoE, yarn rope; V4: sliding / CSA / HCA
 attention, hyper-connections, hash and scored MoE) is built once in a temporary
 directory; greedy generation of a fixed number of tokens (EOS ignored) at each batch
-size runs in laneserve and in transformers in the same process, and the ratios are
-printed. A second checkpoint of the same depth whose MTP layer predicts the target
+size runs in laneserve and in transformers, loaded side by side in one process, and the
+ratios are printed. A second checkpoint of the same depth whose MTP layer predicts the target
 exactly measures MTP (k = 1) against no speculation at batch 1: its first layer decides
 the next token, the others are inert (zeroed output projections, full cost), so the
 draft costs one layer of the target's eight, as DeepSeek V3's one MTP layer costs one
@@ -24,7 +24,10 @@ resident as stored, against the same checkpoint dequantized to bf16 at load and 
 transformers (bf16) on the exact dequantized values; it also prints the bytes each
 laneserve model holds against the checkpoint's tensor bytes.
 
-On a shared machine, `--repeats` keeps the best of several timed runs of each case.
+Built for a shared machine (benchmarks/side_by_side.py): every peer of a comparison is
+loaded at once, warmed up once per batch size, then timed `--repeats` times in turn
+(A, B, C, A, B, C, ...); each JSON line gives every peer's median tok/s, the first
+peer's ratios to the others and each run's seconds.
 
 Run from the repository root (the checkpoint builders live in tests/tiny_models.py).
 """
@@ -37,12 +40,23 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.side_by_side import (
+    RunFn,
+    interleaved,
+    laneserve_peer,
+    open_peers,
+    tok_s,
+    transformers_peer,
+)
 from laneserve import LLM, SamplingParams
 from laneserve.kernels import get_kernels
 from laneserve.model.footprint import checkpoint_bytes, resident_bytes
@@ -136,26 +150,70 @@ def held_bytes(model: Path, dtype: str, mode: str) -> int:
     return resident_bytes(built)
 
 
+def bytes_with_fp32_as_bf16(directory: Path) -> int:
+    """The checkpoint's tensor bytes with its fp32 tensors counted at 2 bytes a value:
+    the fixture writes the unquantized tensors (embedding, LM head, norms, gates) in fp32,
+    which a bf16 run holds in bf16."""
+    total = 0
+    for path in sorted(directory.glob("*.safetensors")):
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                start, stop = entry["data_offsets"]
+                total += (stop - start) // (2 if entry["dtype"] == "F32" else 1)
+    return total
+
+
+def ratios(tps: dict[str, float], base: str) -> dict[str, float]:
+    """`base`'s median throughput over each other peer's."""
+    return {f"{base}_vs_{n}": round(tps[base] / v, 2) for n, v in tps.items() if n != base}
+
+
+def side_by_side(
+    makers: dict[str, Callable[[], AbstractContextManager[RunFn]]],
+    batches: list[int],
+    args: argparse.Namespace,
+    vocab: int,
+    seed: int = 0,
+) -> None:
+    """The peers loaded at once, their timed runs interleaved at each batch size: one JSON
+    line per batch with each peer's median tok/s, every run's seconds and the ratios of
+    the first peer to the others."""
+    with open_peers(makers) as peers:
+        for b in batches:
+            batch = prompts(b, args.prompt_len, vocab, seed)
+            times = interleaved(peers, batch, args.repeats)
+            tps = tok_s(times, b * args.max_tokens)
+            row: dict[str, object] = {"batch": b}
+            row.update({f"{n}_tok_s": round(v, 1) for n, v in tps.items()})
+            row.update(ratios(tps, next(iter(tps))))
+            row["seconds"] = {n: [round(t, 2) for t in ts] for n, ts in times.items()}
+            print(json.dumps(row), flush=True)
+
+
 def resident_vs_dequantized(args: argparse.Namespace, cfg: dict, batches: list[int]) -> None:
     """FP4 experts + FP8 attention resident vs dequantized to bf16 vs transformers."""
     root = Path(tempfile.mkdtemp(prefix="ls-bench-deepseek-resident-"))
     plain = build_tiny_deepseek_v4(root / "v4", seed=0, **cfg)
     released, reference = quantized_release(plain, root / "release", root / "reference")
-    stored = checkpoint_bytes(released)
+    stored, as_bf16 = checkpoint_bytes(released), bytes_with_fp32_as_bf16(released)
     for mode in ("resident", "dequantized"):
         held = held_bytes(released, "bfloat16", mode)
         print(json.dumps({"weights": mode, "held_bytes": held, "checkpoint_bytes": stored,
-                          "ratio": round(held / stored, 3)}), flush=True)  # fmt: skip
-    for b in batches:
-        batch = prompts(b, args.prompt_len, cfg["vocab_size"])
-        run = (batch, args.max_tokens, args.repeats)
-        res, _ = laneserve_tok_s(released, "bfloat16", *run, quantized_weights="resident")
-        deq, _ = laneserve_tok_s(released, "bfloat16", *run, quantized_weights="dequantized")
-        hf = transformers_tok_s(reference, "bfloat16", *run)
-        print(json.dumps({"batch": b, "resident_tok_s": round(res, 1),
-                          "dequantized_tok_s": round(deq, 1), "transformers_tok_s": round(hf, 1),
-                          "resident_vs_dequantized": round(res / deq, 2),
-                          "resident_vs_transformers": round(res / hf, 2)}), flush=True)  # fmt: skip
+                          "held_vs_checkpoint": round(held / stored, 3),
+                          "checkpoint_bytes_fp32_as_bf16": as_bf16,
+                          "held_vs_that": round(held / as_bf16, 3)}), flush=True)  # fmt: skip
+    n = args.max_tokens
+    makers: dict[str, Callable[[], AbstractContextManager[RunFn]]] = {
+        "resident": partial(laneserve_peer, released, "bfloat16", n, quantized_weights="resident"),
+        "dequantized": partial(
+            laneserve_peer, released, "bfloat16", n, quantized_weights="dequantized"
+        ),
+    }
+    if not args.no_transformers:
+        makers["transformers"] = partial(transformers_peer, reference, "bfloat16", n)
+    side_by_side(makers, batches, args, cfg["vocab_size"])
 
 
 def main() -> None:
@@ -165,7 +223,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per case; the best counts")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per peer, interleaved; the median counts"
+    )
+    ap.add_argument("--no-transformers", action="store_true", help="laneserve peers only")
     ap.add_argument("--no-mtp", action="store_true", help="skip the MTP-vs-no-speculation part")
     ap.add_argument("--family", default="v3", choices=["v3", "v4"])
     ap.add_argument(
@@ -201,20 +262,25 @@ def main() -> None:
         model = build_tiny_deepseek_v4(root / "v4", seed=0, **cfg)
     else:
         model = build_tiny_deepseek(root / "v3", 3, seed=0, **cfg)
-    rows = []
-    for b in batches:
-        batch = prompts(b, args.prompt_len, cfg["vocab_size"])
-        ours, _ = laneserve_tok_s(model, dtype, batch, args.max_tokens, args.repeats)
-        theirs = transformers_tok_s(model, dtype, batch, args.max_tokens, args.repeats)
-        rows.append({"batch": b, "laneserve_tok_s": round(ours, 1),
-                     "transformers_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 2)})  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
+    n = args.max_tokens
+    makers: dict[str, Callable[[], AbstractContextManager[RunFn]]] = {
+        "laneserve": partial(laneserve_peer, model, dtype, n)
+    }
+    if not args.no_transformers:
+        makers["transformers"] = partial(transformers_peer, model, dtype, n)
+    side_by_side(makers, batches, args, cfg["vocab_size"])
     if args.profile_dir:
         one = prompts(1, args.prompt_len, cfg["vocab_size"])
-        laneserve_tok_s(model, dtype, one, args.max_tokens, profile_dir=args.profile_dir)
+        laneserve_tok_s(model, dtype, one, n, profile_dir=args.profile_dir)
         print(report([args.profile_dir], max_rows=0), flush=True)
-    if args.no_mtp:
-        return
+    if not args.no_mtp:
+        mtp_vs_no_speculation(args, cfg, dtype, root, v4)
+
+
+def mtp_vs_no_speculation(
+    args: argparse.Namespace, cfg: dict, dtype: str, root: Path, v4: bool
+) -> None:
+    """Exact MTP (k = 1) against no speculation at batch 1, side by side."""
     depth = cfg.get("num_hidden_layers", 4 if v4 else 3)  # the tiny configs: V3 3, V4 4
     inert = depth - 1 if args.mtp_inert_layers is None else args.mtp_inert_layers
     if v4:
@@ -223,16 +289,16 @@ def main() -> None:
         exact = build_exact_deepseek_mtp(
             root / "exact", inert_layers=inert, **{**cfg, "num_nextn_predict_layers": 1}
         )
-    one = prompts(1, args.prompt_len, cfg["vocab_size"], seed=1)
-    plain, _ = laneserve_tok_s(exact, dtype, one, args.max_tokens, args.repeats)
     spec = {"method": "mtp", "num_speculative_tokens": 1}
-    mtp, stats = laneserve_tok_s(
-        exact, dtype, one, args.max_tokens, args.repeats, speculative_config=spec
-    )
+    stats: dict = {}
+    n = args.max_tokens
+    makers: dict[str, Callable[[], AbstractContextManager[RunFn]]] = {
+        "mtp_k1": partial(laneserve_peer, exact, dtype, n, stats, speculative_config=spec),
+        "no_spec": partial(laneserve_peer, exact, dtype, n),
+    }
+    side_by_side(makers, [1], args, cfg["vocab_size"], seed=1)
     accepted = stats["spec_num_accepted"] / max(stats["spec_num_drafts"], 1)
-    print(json.dumps({"mtp_k1_tok_s": round(mtp, 1), "no_spec_tok_s": round(plain, 1),
-                      "ratio": round(mtp / plain, 2), "acceptance": round(accepted, 3),
-                      "target_layers": 1 + inert}))  # fmt: skip
+    print(json.dumps({"acceptance": round(accepted, 3), "target_layers": 1 + inert}))
 
 
 if __name__ == "__main__":

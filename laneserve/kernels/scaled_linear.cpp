@@ -35,15 +35,12 @@ constexpr int kTileRows = 4;  // rows per tile: 8 accumulators + decoded weights
 
 struct Tables {
   alignas(32) float e8m0[256];  // ue8m0 byte -> 2^(byte - 127) (NaN for 0xff)
-  alignas(32) float e2m1[8];    // fp4 magnitude code -> value
 };
 
 Tables make_tables() {
   Tables t{};
   for (int b = 0; b < 256; ++b)
     t.e8m0[b] = b == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, b - 127);
-  const float mags[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-  for (int i = 0; i < 8; ++i) t.e2m1[i] = mags[i];
   return t;
 }
 
@@ -65,28 +62,55 @@ inline void widen16(__m128i bytes, __m256i& lo, __m256i& hi) {
   hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
 }
 
-// 16 e4m3 bytes -> their values, without a table: each byte's sign, 4-bit exponent field
-// and 3-bit mantissa placed in an fp16 (sign << 15 | exponent << 10 | mantissa << 7), an
-// fp16 worth 2^-8 times the e4m3 value (fp16's wider exponent keeps e4m3 subnormals,
-// m * 2^-9, as fp16 subnormals), widened exactly by F16C and times 2^8 (exact). NaN bytes
-// (0x7f / 0xff) become the fp16 NaN 0xffff.
+// 16 e4m3 bytes -> 2^-8 times their values, without a table: each byte's sign, 4-bit
+// exponent field and 3-bit mantissa placed in an fp16 (sign << 15 | exponent << 10 |
+// mantissa << 7: the byte shifted left by 8, then arithmetically right by 1, bit 14 (a
+// copy of the sign) cleared), an fp16 worth 2^-8 times the e4m3 value (fp16's wider
+// exponent keeps e4m3 subnormals, m * 2^-9, as fp16 subnormals), widened exactly by F16C;
+// the 2^8 is folded into the scale (group_fp8). NaN bytes (0x7f / 0xff) become the fp16
+// NaN 0xffff.
 inline void e4m3x16(__m128i bytes, __m256& lo, __m256& hi) {
   const __m256i b = _mm256_cvtepu8_epi16(bytes);
-  const __m256i low7 = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
-  const __m256i nan = _mm256_cmpeq_epi16(low7, _mm256_set1_epi16(0x7F));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-  const __m256i h = _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi16(low7, 7), sign), nan);
-  const __m256 two8 = _mm256_set1_ps(256.0f);
-  lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), two8);
-  hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), two8);
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)),
+                                         _mm256_set1_epi16(0x7F));
+  const __m256i placed = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 1);
+  const __m256i h = _mm256_or_si256(
+      _mm256_and_si256(placed, _mm256_set1_epi16(static_cast<int16_t>(0xBF80))), nan);
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
-// e2m1 codes (0..15 per lane) -> values: magnitude by table, the code's bit 3 the sign.
-inline __m256 e2m1(__m256i code, __m256 mags) {
-  const __m256 mag = _mm256_permutevar8x32_ps(mags, code);
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28);
-  return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+// e2m1 code -> bits 16..31 of its fp32 value (the low 16 bits are zero), split into two
+// byte tables for vpshufb (a code's bit 3 is the sign): magnitudes 0, 0.5, 1, 1.5, 2, 3,
+// 4, 6 are 0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0.
+#define LS_E2M1_LO 0, 0, -128, -64, 0, 64, -128, -64, 0, 0, -128, -64, 0, 64, -128, -64
+#define LS_E2M1_HI 0, 63, 63, 63, 64, 64, 64, 64, -128, -65, -65, -65, -64, -64, -64, -64
+
+// 16 fp4 bytes (16 columns, k = 2j in the low nibbles, 2j + 1 in the high ones) -> the
+// exact fp32 values of both rows: v[0] / v[1] columns 0-7 / 8-15 of k = 2j, v[2] / v[3]
+// those of k = 2j + 1. Both nibbles are looked up at once (one 128-bit lane each), the
+// two table bytes interleaved into 16-bit halves, which become the fp32's high half.
+inline void e2m1_pair(__m128i bytes, __m256 (&v)[4]) {
+  const __m256i lo_tab = _mm256_setr_epi8(LS_E2M1_LO, LS_E2M1_LO);
+  const __m256i hi_tab = _mm256_setr_epi8(LS_E2M1_HI, LS_E2M1_HI);
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(bytes),
+                                               _mm_srli_epi16(bytes, 4), 1);
+  const __m256i codes = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  const __m256i lo = _mm256_shuffle_epi8(lo_tab, codes);
+  const __m256i hi = _mm256_shuffle_epi8(hi_tab, codes);
+  // 16-bit halves, per 64-bit quarter: [k0 c0-3, k0 c4-7 | k1 c0-3, k1 c4-7] -> reordered
+  // to [k0 c0-3, k1 c0-3 | k0 c4-7, k1 c4-7], so that unpacking each 128-bit lane's low
+  // (high) quarter gives the 8 columns of k0 (k1) in order
+  const __m256i a = _mm256_permute4x64_epi64(_mm256_unpacklo_epi8(lo, hi), 0xD8);
+  const __m256i b = _mm256_permute4x64_epi64(_mm256_unpackhi_epi8(lo, hi), 0xD8);
+  const __m256i zero = _mm256_setzero_si256();
+  v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, a));
+  v[1] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, b));
+  v[2] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, a));
+  v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, b));
 }
+#undef LS_E2M1_LO
+#undef LS_E2M1_HI
 
 template <int R>
 inline void fma_rows(const float* x, int64_t K, int64_t k, __m256 wl, __m256 wh,
@@ -98,40 +122,56 @@ inline void fma_rows(const float* x, int64_t K, int64_t k, __m256 wl, __m256 wh,
   }
 }
 
+// 2^8 * scale, exact unless it overflows: false where a finite scale exceeds 2^119.
+inline bool scale_folds(__m256 s) {
+  const __m256 mag = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), s);
+  const __m256 big = _mm256_and_ps(_mm256_cmp_ps(mag, _mm256_set1_ps(0x1p119f), _CMP_GT_OQ),
+                                   _mm256_cmp_ps(mag, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
+  return _mm256_movemask_ps(big) == 0;
+}
+
 // Calls f(k, w_lo, w_hi) for each k of scale group g of one column block, with the 16
 // weights of row k decoded to value * scale (columns 0-7, 8-15), k ascending.
+// NOTE (exactness): v = h * 2^8 exactly (h the fp16 of e4m3x16), so h * (2^8 * s) and
+// (h * 2^8) * s round the same real number v * s once: the same bits, where 2^8 * s is
+// exact (scale_folds; else the two multiplies).
 template <typename F>
 inline void group_fp8(const ScaledArgs& a, const uint8_t* w, const float* s, int64_t g, F&& f) {
   const __m256 s_lo = _mm256_loadu_ps(s + g * kNB), s_hi = _mm256_loadu_ps(s + g * kNB + 8);
-  const int64_t k_end = std::min(a.K, (g + 1) * a.group);
-  for (int64_t k = g * a.group; k < k_end; ++k) {
+  const __m256 two8 = _mm256_set1_ps(256.0f);
+  const int64_t k_begin = g * a.group, k_end = std::min(a.K, (g + 1) * a.group);
+  if (scale_folds(s_lo) && scale_folds(s_hi)) {
+    const __m256 t_lo = _mm256_mul_ps(s_lo, two8), t_hi = _mm256_mul_ps(s_hi, two8);
+    for (int64_t k = k_begin; k < k_end; ++k) {
+      __m256 vl, vh;
+      e4m3x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kNB)), vl, vh);
+      f(k, _mm256_mul_ps(vl, t_lo), _mm256_mul_ps(vh, t_hi));
+    }
+    return;
+  }
+  for (int64_t k = k_begin; k < k_end; ++k) {
     __m256 vl, vh;
     e4m3x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kNB)), vl, vh);
-    f(k, _mm256_mul_ps(vl, s_lo), _mm256_mul_ps(vh, s_hi));
+    f(k, _mm256_mul_ps(_mm256_mul_ps(vl, two8), s_lo),
+      _mm256_mul_ps(_mm256_mul_ps(vh, two8), s_hi));
   }
 }
 
 template <typename F>
 inline void group_fp4(const ScaledArgs& a, const uint8_t* w, const uint8_t* s, int64_t g,
                       F&& f) {
-  const __m256 mags = _mm256_load_ps(tables().e2m1);
   const float* e8m0 = tables().e8m0;
-  const __m128i low4 = _mm_set1_epi8(0x0F);
   __m256i si_lo, si_hi;
   widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kNB)), si_lo, si_hi);
   const __m256 s_lo = _mm256_i32gather_ps(e8m0, si_lo, 4);
   const __m256 s_hi = _mm256_i32gather_ps(e8m0, si_hi, 4);
   const int64_t j_end = std::min(a.row_bytes, (g + 1) * a.group / 2);
   for (int64_t j = g * a.group / 2; j < j_end; ++j) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * kNB));
-    for (int half = 0; half < 2; ++half) {
-      const int64_t k = 2 * j + half;
-      if (k >= a.K) break;  // odd K: the last byte's high nibble is padding
-      const __m128i codes = _mm_and_si128(half ? _mm_srli_epi16(bytes, 4) : bytes, low4);
-      __m256i lo, hi;
-      widen16(codes, lo, hi);
-      f(k, _mm256_mul_ps(e2m1(lo, mags), s_lo), _mm256_mul_ps(e2m1(hi, mags), s_hi));
-    }
+    __m256 v[4];
+    e2m1_pair(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * kNB)), v);
+    f(2 * j, _mm256_mul_ps(v[0], s_lo), _mm256_mul_ps(v[1], s_hi));
+    if (2 * j + 1 < a.K)  // odd K: the last byte's high nibble is padding
+      f(2 * j + 1, _mm256_mul_ps(v[2], s_lo), _mm256_mul_ps(v[3], s_hi));
   }
 }
 
@@ -174,17 +214,111 @@ void store_tile(const ScaledArgs& a, __m256 (&acc)[R][2], int64_t m0, int64_t b)
   }
 }
 
-// Up to kTileRows rows: the weights decoded in registers, accumulators kept there.
-template <int R, bool kFp4>
-void scaled_tile(const ScaledArgs& a, Block blk, int64_t m0, int64_t b) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+// The multipliers of column block blk's decoded values in scale group g (columns 0-7,
+// 8-15): fp8 its scales (times 2^8 by the caller where they fold), fp4 2^(e - 127).
+template <bool kFp4>
+inline void group_scales(const ScaledArgs& a, Block blk, int64_t g, __m256 (&sv)[2]) {
+  (void)a;
+  if constexpr (kFp4) {
+    __m256i si_lo, si_hi;
+    const auto* s = static_cast<const uint8_t*>(blk.s) + g * kNB;
+    widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)), si_lo, si_hi);
+    sv[0] = _mm256_i32gather_ps(tables().e8m0, si_lo, 4);
+    sv[1] = _mm256_i32gather_ps(tables().e8m0, si_hi, 4);
+  } else {
+    const float* s = static_cast<const float*>(blk.s) + g * kNB;
+    sv[0] = _mm256_loadu_ps(s);
+    sv[1] = _mm256_loadu_ps(s + 8);
+  }
+}
+
+template <int R, int C>
+inline void fma_block(const float* x, int64_t K, int64_t k, int c, __m256 wl, __m256 wh,
+                      __m256 (&acc)[R][C][2]) {
+  for (int r = 0; r < R; ++r) {
+    const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
+    acc[r][c][0] = _mm256_fmadd_ps(xb, wl, acc[r][c][0]);
+    acc[r][c][1] = _mm256_fmadd_ps(xb, wh, acc[r][c][1]);
+  }
+}
+
+// One fp4 scale group of C blocks, the blocks interleaved per byte row (2 k each).
+template <int R, int C>
+inline void tile_group_fp4(const ScaledArgs& a, const Block (&blk)[C], int64_t g,
+                           const __m256 (&sv)[C][2], const float* x, __m256 (&acc)[R][C][2]) {
+  const int64_t j_end = std::min(a.row_bytes, (g + 1) * a.group / 2);
+  for (int64_t j = g * a.group / 2; j < j_end; ++j) {
+    const bool odd = 2 * j + 1 < a.K;  // odd K: the last byte's high nibble is padding
+    for (int c = 0; c < C; ++c) {
+      __m256 v[4];
+      e2m1_pair(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[c].w + j * kNB)), v);
+      fma_block<R, C>(x, a.K, 2 * j, c, _mm256_mul_ps(v[0], sv[c][0]),
+                      _mm256_mul_ps(v[1], sv[c][1]), acc);
+      if (odd)
+        fma_block<R, C>(x, a.K, 2 * j + 1, c, _mm256_mul_ps(v[2], sv[c][0]),
+                        _mm256_mul_ps(v[3], sv[c][1]), acc);
+    }
+  }
+}
+
+// One fp8 scale group of C blocks, interleaved per k; kFold: sv holds 2^8 * scale
+// (group_fp8's NOTE), else the scale, with the 2^8 applied first.
+template <int R, int C, bool kFold>
+inline void tile_group_fp8(const ScaledArgs& a, const Block (&blk)[C], int64_t g,
+                           const __m256 (&sv)[C][2], const float* x, __m256 (&acc)[R][C][2]) {
+  const __m256 two8 = _mm256_set1_ps(256.0f);
+  const int64_t k_end = std::min(a.K, (g + 1) * a.group);
+  for (int64_t k = g * a.group; k < k_end; ++k) {
+    for (int c = 0; c < C; ++c) {
+      __m256 vl, vh;
+      e4m3x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[c].w + k * kNB)), vl, vh);
+      if constexpr (!kFold) {
+        vl = _mm256_mul_ps(vl, two8);
+        vh = _mm256_mul_ps(vh, two8);
+      }
+      fma_block<R, C>(x, a.K, k, c, _mm256_mul_ps(vl, sv[c][0]), _mm256_mul_ps(vh, sv[c][1]),
+                      acc);
+    }
+  }
+}
+
+// Up to kTileRows rows x C column blocks (b0..b0+C-1): the weights decoded in registers,
+// the blocks interleaved so that R * C * 2 FMA chains are in flight (one block at one
+// row would wait on the FMA latency), accumulators kept in registers.
+template <int R, int C, bool kFp4>
+void scaled_tile(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t m0,
+                 int64_t b0) {
+  Block blk[C];
+  for (int c = 0; c < C; ++c) blk[c] = block_of(a, w, s, kFp4, b0 + c);
+  __m256 acc[R][C][2];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
   const float* x = a.x + m0 * a.K;
-  for (int64_t g = 0; g < a.groups; ++g)
-    for_group<kFp4>(a, blk, g, [&](int64_t k, __m256 wl, __m256 wh) {
-      fma_rows<R>(x, a.K, k, wl, wh, acc);
-    });
-  store_tile<R>(a, acc, m0, b);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m256 sv[C][2];
+    bool fold = true;
+    for (int c = 0; c < C; ++c) {
+      group_scales<kFp4>(a, blk[c], g, sv[c]);
+      if constexpr (!kFp4) fold = fold && scale_folds(sv[c][0]) && scale_folds(sv[c][1]);
+    }
+    if constexpr (kFp4) {
+      tile_group_fp4<R, C>(a, blk, g, sv, x, acc);
+    } else if (fold) {
+      for (int c = 0; c < C; ++c)
+        for (int h = 0; h < 2; ++h) sv[c][h] = _mm256_mul_ps(sv[c][h], _mm256_set1_ps(256.0f));
+      tile_group_fp8<R, C, true>(a, blk, g, sv, x, acc);
+    } else {
+      tile_group_fp8<R, C, false>(a, blk, g, sv, x, acc);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    __m256 one[R][2];
+    for (int r = 0; r < R; ++r) {
+      one[r][0] = acc[r][c][0];
+      one[r][1] = acc[r][c][1];
+    }
+    store_tile<R>(a, one, m0, b0 + c);
+  }
 }
 
 // R rows over one decoded group (wbuf: [n][16] from k0), accumulators in acc_rows
@@ -253,13 +387,25 @@ void scaled_block_buffered(const ScaledArgs& a, Block blk, int64_t b, float* wbu
   }
 }
 
+// Column blocks b0..b1-1 of rows 0..R-1 (R <= kTileRows): C blocks per tile, enough
+// for >= 8 FMA chains where the registers allow (as linear.cpp's cols_for_rows).
+template <int R, bool kFp4>
+void scaled_blocks(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t b0,
+                   int64_t b1) {
+  constexpr int C = R == 1 ? 4 : (R == 2 ? 2 : 1);
+  int64_t b = b0;
+  for (; b + C <= b1; b += C) scaled_tile<R, C, kFp4>(a, w, s, 0, b);
+  for (; b < b1; ++b) scaled_tile<R, 1, kFp4>(a, w, s, 0, b);
+}
+
 template <bool kFp4>
-void scaled_block(const ScaledArgs& a, Block blk, int64_t b) {
+void scaled_few_rows(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t b0,
+                     int64_t b1) {
   switch (a.M) {
-    case 1: return scaled_tile<1, kFp4>(a, blk, 0, b);
-    case 2: return scaled_tile<2, kFp4>(a, blk, 0, b);
-    case 3: return scaled_tile<3, kFp4>(a, blk, 0, b);
-    default: return scaled_tile<4, kFp4>(a, blk, 0, b);
+    case 1: return scaled_blocks<1, kFp4>(a, w, s, b0, b1);
+    case 2: return scaled_blocks<2, kFp4>(a, w, s, b0, b1);
+    case 3: return scaled_blocks<3, kFp4>(a, w, s, b0, b1);
+    default: return scaled_blocks<4, kFp4>(a, w, s, b0, b1);
   }
 }
 
@@ -270,18 +416,12 @@ void scaled_driver(const ScaledArgs& a, const uint8_t* w, const void* s) {
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_block);
   // NOTE: parallel over output blocks only (never over K): the split changes no bit.
   at::parallel_for(0, nblk, grain, [&](int64_t lo, int64_t hi) {
-    std::vector<float> wbuf, accbuf;
-    if (a.M > kTileRows) {
-      wbuf.resize(static_cast<size_t>(a.group * kNB));
-      accbuf.resize(static_cast<size_t>(a.M * kNB));
-    }
-    for (int64_t b = lo; b < hi; ++b) {
-      const Block blk = block_of(a, w, s, kFp4, b);
-      if (a.M > kTileRows)
-        scaled_block_buffered<kFp4>(a, blk, b, wbuf.data(), accbuf.data());
-      else
-        scaled_block<kFp4>(a, blk, b);
-    }
+    if (a.M <= kTileRows) return scaled_few_rows<kFp4>(a, w, s, lo, hi);
+    std::vector<float> wbuf(static_cast<size_t>(a.group * kNB));
+    std::vector<float> accbuf(static_cast<size_t>(a.M * kNB));
+    for (int64_t b = lo; b < hi; ++b)
+      scaled_block_buffered<kFp4>(a, block_of(a, w, s, kFp4, b), b, wbuf.data(),
+                                  accbuf.data());
   });
 }
 

@@ -83,6 +83,31 @@ def test_cpu_kernel_bitwise_the_fp32_kernel_on_dequantized(
     assert torch.equal(ck.linear(x, packed, bias, first_prefill=0), got)
 
 
+def test_cpu_kernel_bitwise_at_extreme_scales(ck: CpuKernels) -> None:
+    """Scales at the ends of their ranges: ue8m0 bytes 0 (2^-127, subnormal) to 200, and
+    fp8 block scales past 2^119 (where the kernel cannot fold its 2^8 into the scale) or
+    subnormal, beside ordinary ones: still bitwise the fp32 kernel on the dequantized
+    weight, every output finite."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 40, 96
+    x = torch.randn(3, k, generator=g)
+    raw = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    exps = torch.randint(0, 201, (n, k // 32), generator=g, dtype=torch.uint8)
+    exps[:3] = 0
+    fp4 = scaled.from_fp4_packed(raw, exps, k)
+    # fp8 bytes up to 2^-5 (exponent field <= 2), so 2^125 scales stay finite
+    small = torch.randint(0, 0x18, (n, k), generator=g, dtype=torch.uint8)
+    small |= torch.randint(0, 2, (n, k), generator=g, dtype=torch.uint8) << 7
+    grid = torch.tensor([[2.0**125, 0.75], [2.0**-140, 3.0], [1e-3, 2.0**121]])
+    fp8w = scaled.from_fp8_blocks(small.view(torch.float8_e4m3fn), grid, (16, 64))
+    for w in (fp4, fp8w):
+        got = ck.linear(x, ck.pack_scaled_weight(w))
+        want = ck.linear(x, ck.pack_linear_weight(scaled.dequantize(w)))
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, want)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0 too
+
+
 @pytest.mark.parametrize("fmt", scaled.FORMATS)
 def test_cpu_kernel_keeps_the_stored_bytes(ck: CpuKernels, fmt: str) -> None:
     w = make(fmt, 64, 256, seed=3)
