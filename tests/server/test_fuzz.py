@@ -2,9 +2,9 @@
 client sends, the answer is never a 5xx (nor a 5xx error event inside a
 stream), and the server still gives the same greedy text afterwards.
 
-Bounded: a fixed number of examples per test (120, or LANESERVE_FUZZ_EXAMPLES
-for a long run), derandomized (the same bodies every run), and small token
-counts where a body is valid."""
+Bounded: a fixed number of examples per test (50 in the default suite; the `slow`
+variants 500, or LANESERVE_FUZZ_EXAMPLES), derandomized (the same bodies every run),
+and small token counts where a body is valid."""
 
 from __future__ import annotations
 
@@ -80,13 +80,20 @@ CHAT = st.fixed_dictionaries(
     {"max_tokens": small, "messages": _maybe(st.lists(MESSAGE, max_size=3))},
     optional={**COMMON, "logprobs": _maybe(st.booleans()), "top_logprobs": _maybe(small)},
 )
-FUZZ = settings(
-    max_examples=int(os.environ.get("LANESERVE_FUZZ_EXAMPLES", "120")),
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+
+
+def _settings(examples: int) -> settings:
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
+
+
+FUZZ = _settings(50)  # the default suite's
+FUZZ_LONG = _settings(int(os.environ.get("LANESERVE_FUZZ_EXAMPLES", "500")))  # the slow run's
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +133,20 @@ def test_fuzz_completions(server: Server, reference: str, body: object) -> None:
 @FUZZ
 @given(body=st.one_of(CHAT, anything))
 def test_fuzz_chat(server: Server, reference: str, body: object) -> None:
+    _check(server, "/v1/chat/completions", body)
+
+
+@pytest.mark.slow
+@FUZZ_LONG
+@given(body=st.one_of(COMPLETION, anything))
+def test_fuzz_completions_long(server: Server, reference: str, body: object) -> None:
+    _check(server, "/v1/completions", body)
+
+
+@pytest.mark.slow
+@FUZZ_LONG
+@given(body=st.one_of(CHAT, anything))
+def test_fuzz_chat_long(server: Server, reference: str, body: object) -> None:
     _check(server, "/v1/chat/completions", body)
 
 

@@ -163,7 +163,13 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_deepseek(tmp_path_factory.mktemp("deepseek") / "v3", 3, seed=1)
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-kernels"])
+# NOTE: decode graphs run on CUDA, whose ops are the torch kernels' (the default suite's
+# case); the padding through the CPU kernels runs with the slow set
+@pytest.mark.parametrize(
+    "kernels",
+    [pytest.param(True, marks=pytest.mark.slow), False],
+    ids=["cpu-kernels", "torch-kernels"],
+)
 def test_deepseek_padded_buckets_give_the_plain_tokens(
     deepseek: Path, kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -233,7 +239,13 @@ def deepseek_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_deepseek_v4(tmp_path_factory.mktemp("deepseek_v4") / "v4", seed=0)
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-kernels"])
+# NOTE: decode graphs run on CUDA, whose ops are the torch kernels' (the default suite's
+# case); the padding through the CPU kernels runs with the slow set
+@pytest.mark.parametrize(
+    "kernels",
+    [pytest.param(True, marks=pytest.mark.slow), False],
+    ids=["cpu-kernels", "torch-kernels"],
+)
 def test_deepseek_v4_padded_buckets_give_the_plain_tokens(
     deepseek_v4: Path, kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
