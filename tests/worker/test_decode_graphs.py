@@ -163,13 +163,10 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_deepseek(tmp_path_factory.mktemp("deepseek") / "v3", 3, seed=1)
 
 
-# NOTE: decode graphs run on CUDA, whose ops are the torch kernels' (the default suite's
-# case); the padding through the CPU kernels runs with the slow set
-@pytest.mark.parametrize(
-    "kernels",
-    [pytest.param(True, marks=pytest.mark.slow), False],
-    ids=["cpu-kernels", "torch-kernels"],
-)
+# NOTE: slow: the paged kind's buckets are the Llama test's above (default suite); this
+# adds MLA's latent cache and the routed experts
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-kernels"])
 def test_deepseek_padded_buckets_give_the_plain_tokens(
     deepseek: Path, kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
