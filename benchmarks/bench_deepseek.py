@@ -53,6 +53,7 @@ from benchmarks.side_by_side import (
     RunFn,
     interleaved,
     laneserve_peer,
+    load_transformers,
     open_peers,
     tok_s,
     transformers_peer,
@@ -115,15 +116,7 @@ def laneserve_tok_s(
 def transformers_tok_s(
     model: Path, dtype: str, batch: list[list[int]], tokens: int, repeats: int = 1
 ) -> float:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch_dtype).to(device).eval()
-    cfg = GenerationConfig(
-        do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, eos_token_id=None,
-        pad_token_id=0,
-    )  # fmt: skip
+    hf, cfg, device = load_transformers(model, dtype, tokens)
     ids = torch.tensor(batch, device=device)  # equal lengths: no padding
     with torch.no_grad():
         hf.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=4)

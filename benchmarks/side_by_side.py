@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,9 +41,8 @@ def laneserve_peer(
             stats.update(llm.get_stats())
 
 
-@contextmanager
-def transformers_peer(model: Path, dtype: str, tokens: int) -> Iterator[RunFn]:
-    """transformers `generate` on `model` (greedy, exactly `tokens` new tokens)."""
+def load_transformers(model: Path, dtype: str, tokens: int) -> tuple[Any, Any, str]:
+    """(transformers model, greedy config for exactly `tokens` new tokens, device)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,6 +52,13 @@ def transformers_peer(model: Path, dtype: str, tokens: int) -> Iterator[RunFn]:
         do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, eos_token_id=None,
         pad_token_id=0,
     )  # fmt: skip
+    return hf, cfg, device
+
+
+@contextmanager
+def transformers_peer(model: Path, dtype: str, tokens: int) -> Iterator[RunFn]:
+    """transformers `generate` on `model` (greedy, exactly `tokens` new tokens)."""
+    hf, cfg, device = load_transformers(model, dtype, tokens)
 
     def run(batch: Batch) -> None:
         ids = torch.tensor(batch, device=device)  # equal lengths: no padding

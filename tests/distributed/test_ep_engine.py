@@ -28,6 +28,17 @@ def v3_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return add_mtp_layer(d, seed=4)
 
 
+def assert_equals_one_device(model: Path, prompts: list[list[int]], kw: dict) -> None:
+    """Greedy tokens with expert parallelism (engaged, both ranks served) == one device's."""
+    with LLM(str(model), **kw) as llm:
+        want = run(llm, prompts, GREEDY)
+    with LLM(str(model), **EP, **kw) as llm:
+        core = engaged(llm)
+        got = run(llm, prompts, GREEDY)
+        assert min(core.router.routed) >= 1
+    assert got == want
+
+
 def engaged(llm: LLM) -> LockstepCore:
     """Lock step, and each rank holding its half of the routed experts."""
     core = llm.engine.core
@@ -75,13 +86,7 @@ def test_v4_equals_one_device(tmp_path: Path) -> None:
     prompts = prompts_of(LENGTHS, seed=0)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     kw: dict = {"dtype": "float32", "async_scheduling": True, "speculative_config": spec}
-    with LLM(str(d), **kw) as llm:
-        want = run(llm, prompts, GREEDY)
-    with LLM(str(d), **EP, **kw) as llm:
-        core = engaged(llm)
-        got = run(llm, prompts, GREEDY)
-        assert min(core.router.routed) >= 1
-    assert got == want
+    assert_equals_one_device(d, prompts, kw)
 
 
 @pytest.mark.slow
@@ -91,14 +96,7 @@ def test_v32_equals_one_device(tmp_path: Path) -> None:
 
     d = build_tiny_deepseek_v32(tmp_path / "v32", seed=0, index_topk=6)
     prompts = mixed_prompts(4, seed=2)
-    kw: dict = {"dtype": "float32", "async_scheduling": True}
-    with LLM(str(d), **kw) as llm:
-        want = run(llm, prompts, GREEDY)
-    with LLM(str(d), **EP, **kw) as llm:
-        core = engaged(llm)
-        got = run(llm, prompts, GREEDY)
-        assert min(core.router.routed) >= 1
-    assert got == want
+    assert_equals_one_device(d, prompts, {"dtype": "float32", "async_scheduling": True})
 
 
 @pytest.mark.slow

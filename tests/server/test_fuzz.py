@@ -82,7 +82,8 @@ CHAT = st.fixed_dictionaries(
 )
 
 
-def _settings(examples: int) -> settings:
+def fuzz_settings(examples: int) -> settings:
+    """`examples` derandomized bodies (the same every run), no deadline (a server answers)."""
     return settings(
         max_examples=examples,
         deadline=None,
@@ -92,8 +93,8 @@ def _settings(examples: int) -> settings:
     )
 
 
-FUZZ = _settings(50)  # the default suite's
-FUZZ_LONG = _settings(int(os.environ.get("LANESERVE_FUZZ_EXAMPLES", "500")))  # the slow run's
+FUZZ = fuzz_settings(50)  # the default suite's
+FUZZ_LONG = fuzz_settings(int(os.environ.get("LANESERVE_FUZZ_EXAMPLES", "500")))  # the slow run's
 
 
 @pytest.fixture(scope="module")

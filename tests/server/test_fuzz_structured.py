@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.server.conftest import VLLM_STYLE, Server
-from tests.server.test_fuzz import anything, texts
+from tests.server.test_fuzz import anything, fuzz_settings, texts
 
 INNOCENT = {"prompt": "The old lighthouse", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
@@ -196,17 +196,7 @@ def _body(fields: dict, stream: bool) -> dict:
     return {"messages": messages, "max_tokens": 6, "stream": stream, **fields}
 
 
-def _settings(examples: int) -> settings:
-    return settings(
-        max_examples=examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-    )
-
-
-@_settings(40)
+@fuzz_settings(40)
 @given(fields=FIELDS, stream=st.booleans())
 def test_fuzz_structured_fields(
     server: Server, innocents: Innocents, fields: dict, stream: bool
@@ -215,7 +205,7 @@ def test_fuzz_structured_fields(
 
 
 @pytest.mark.slow
-@_settings(int(os.environ.get("LANESERVE_FUZZ_EXAMPLES", "1000")))
+@fuzz_settings(int(os.environ.get("LANESERVE_FUZZ_EXAMPLES", "1000")))
 @given(fields=FIELDS, stream=st.booleans())
 def test_fuzz_structured_fields_long(
     server: Server, innocents: Innocents, fields: dict, stream: bool
