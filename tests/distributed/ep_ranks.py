@@ -69,5 +69,6 @@ def run_rank(rank: int, size: int, port: int, model_dir: str, out_dir: str, idle
         except OutOfStepError as e:
             out["out_of_step"] = str(e)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # NOTE: neither rank tears the group down while the other uses it
     finally:
         dist.destroy_process_group()
