@@ -64,21 +64,6 @@ inline void load_quants(const uint8_t* quants, int j, __m256i (&e)[2], __m256i (
   }
 }
 
-// acc + bias for the valid columns of column block b (16 columns as two halves).
-template <int R>
-inline void store_rows(const __m256 (&acc)[R][2], const QuantArgs& a, int64_t m0, int64_t b) {
-  const int64_t n0 = b * kNB, valid = std::min<int64_t>(kNB, a.N - n0);
-  alignas(32) float bias_buf[kNB] = {0};
-  if (a.bias != nullptr) std::memcpy(bias_buf, a.bias + n0, sizeof(float) * valid);
-  const __m256 b_lo = _mm256_load_ps(bias_buf), b_hi = _mm256_load_ps(bias_buf + 8);
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float buf[kNB];
-    _mm256_store_ps(buf, a.bias ? _mm256_add_ps(acc[r][0], b_lo) : acc[r][0]);
-    _mm256_store_ps(buf + 8, a.bias ? _mm256_add_ps(acc[r][1], b_hi) : acc[r][1]);
-    std::memcpy(a.out + (m0 + r) * a.N + n0, buf, sizeof(float) * valid);
-  }
-}
-
 // R rows x C column blocks. Per output one FMA chain over k in order (module NOTE).
 template <int64_t Q, int R, int C>
 void quant_tile(const QuantArgs& a, int64_t m0, int64_t b0) {
@@ -124,7 +109,7 @@ void quant_tile(const QuantArgs& a, int64_t m0, int64_t b0) {
       }
     }
   }
-  for (int c = 0; c < C; ++c) store_rows<R>(acc[c], a, m0, b0 + c);
+  for (int c = 0; c < C; ++c) store_block<R>(acc[c], a.bias, a.out, a.N, m0, (b0 + c) * kNB);
 }
 
 // Column blocks per tile: >= 8 independent FMA chains where the rows alone give fewer.

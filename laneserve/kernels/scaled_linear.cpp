@@ -198,22 +198,6 @@ inline void for_group(const ScaledArgs& a, Block blk, int64_t g, F&& f) {
   }
 }
 
-// acc (+ bias) -> out rows m0..m0+R-1, the block's valid columns.
-template <int R>
-void store_tile(const ScaledArgs& a, __m256 (&acc)[R][2], int64_t m0, int64_t b) {
-  const int64_t n0 = b * kNB;
-  const int64_t valid = std::min<int64_t>(kNB, a.N - n0);
-  alignas(32) float bias_buf[kNB] = {0};
-  if (a.bias != nullptr) std::memcpy(bias_buf, a.bias + n0, sizeof(float) * valid);
-  const __m256 b_lo = _mm256_load_ps(bias_buf), b_hi = _mm256_load_ps(bias_buf + 8);
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float buf[kNB];
-    _mm256_store_ps(buf, a.bias ? _mm256_add_ps(acc[r][0], b_lo) : acc[r][0]);
-    _mm256_store_ps(buf + 8, a.bias ? _mm256_add_ps(acc[r][1], b_hi) : acc[r][1]);
-    std::memcpy(a.out + (m0 + r) * a.N + n0, buf, sizeof(float) * valid);
-  }
-}
-
 // The multipliers of column block blk's decoded values in scale group g (columns 0-7,
 // 8-15): fp8 its scales (times 2^8 by the caller where they fold), fp4 2^(e - 127).
 template <bool kFp4>
@@ -317,7 +301,7 @@ void scaled_tile(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t m
       one[r][0] = acc[r][c][0];
       one[r][1] = acc[r][c][1];
     }
-    store_tile<R>(a, one, m0, b0 + c);
+    store_block<R>(one, a.bias, a.out, a.N, m0, (b0 + c) * kNB);
   }
 }
 
@@ -348,7 +332,7 @@ void final_tile(const ScaledArgs& a, const float* acc_rows, int64_t m0, int64_t 
     acc[r][0] = _mm256_loadu_ps(acc_rows + r * kNB);
     acc[r][1] = _mm256_loadu_ps(acc_rows + r * kNB + 8);
   }
-  store_tile<R>(a, acc, m0, b);
+  store_block<R>(acc, a.bias, a.out, a.N, m0, b * kNB);
 }
 
 // More than kTileRows rows: each scale group of the block is decoded once into wbuf and

@@ -195,4 +195,21 @@ inline int64_t rows_grain(int64_t width) {
   return std::max<int64_t>(1, 131072 / std::max<int64_t>(1, width));
 }
 
+// R rows' accumulators of one kNB-column block, each as two 8-lane halves, (+ bias)
+// -> out[m0 + r][n0 .. n0 + kNB - 1], the columns below N only (a last block may be short).
+template <int R>
+inline void store_block(const __m256 (&acc)[R][2], const float* bias, float* out, int64_t N,
+                        int64_t m0, int64_t n0) {
+  const int64_t valid = std::min<int64_t>(kNB, N - n0);
+  alignas(32) float bias_buf[kNB] = {0};
+  if (bias != nullptr) std::memcpy(bias_buf, bias + n0, sizeof(float) * valid);
+  const __m256 b_lo = _mm256_load_ps(bias_buf), b_hi = _mm256_load_ps(bias_buf + 8);
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float buf[kNB];
+    _mm256_store_ps(buf, bias ? _mm256_add_ps(acc[r][0], b_lo) : acc[r][0]);
+    _mm256_store_ps(buf + 8, bias ? _mm256_add_ps(acc[r][1], b_hi) : acc[r][1]);
+    std::memcpy(out + (m0 + r) * N + n0, buf, sizeof(float) * valid);
+  }
+}
+
 }  // namespace laneserve
