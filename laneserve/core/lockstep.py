@@ -21,7 +21,6 @@ requests fail, and the ranks restart together, meeting at a new port.
 from __future__ import annotations
 
 import logging
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -30,16 +29,11 @@ from laneserve.config import EngineConfig
 from laneserve.core.data_parallel import DataParallelCore, ready_ranks
 from laneserve.core.engine_core import EngineCore
 from laneserve.core.scheduler import EngineCoreOutput
+from laneserve.distributed.ports import free_port
 
 log = logging.getLogger(__name__)
 
 PEER_DIED = "another expert-parallel rank's worker died (the ranks restart together)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def with_rank(config: EngineConfig, rank: int, port: int) -> EngineConfig:

@@ -18,9 +18,10 @@ from laneserve.chat_formats import resolve_chat_format
 from laneserve.config import EngineConfig
 from laneserve.core.data_parallel import DataParallelCore
 from laneserve.core.engine_core import EngineCore, WorkerClient
-from laneserve.core.lockstep import LockstepCore, free_port, with_rank
+from laneserve.core.lockstep import LockstepCore, with_rank
 from laneserve.core.request import Request
 from laneserve.core.scheduler import SchedulerStats
+from laneserve.distributed.ports import free_port
 from laneserve.frontend.generation_config import generation_defaults
 from laneserve.frontend.no_tokenizer import WHY, NoTokenizer
 from laneserve.frontend.output_processor import Delta, OutputProcessor, RequestState

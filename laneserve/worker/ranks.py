@@ -29,7 +29,6 @@ import hashlib
 import logging
 import multiprocessing as mp
 import os
-import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from laneserve.config import EngineConfig, SpeculativeConfig
 from laneserve.distributed.command_broadcast import CommandBroadcast
 from laneserve.distributed.parallel_state import TensorParallel
+from laneserve.distributed.ports import free_port
 from laneserve.model.arch import ArchConfig
 from laneserve.model.registry import FAMILIES, ModelFamily
 from laneserve.worker.rank_steps import end_rank
@@ -143,9 +143,7 @@ def rendezvous() -> tuple[str, int]:
     port = os.environ.get("MASTER_PORT")
     if port is not None:
         return addr, int(port)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return addr, int(s.getsockname()[1])
+    return addr, free_port()
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

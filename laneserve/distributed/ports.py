@@ -1,0 +1,11 @@
+"""Where a group of ranks on this machine meets: a TCP port free now on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
