@@ -255,10 +255,14 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1  # ranks per model (docs/distributed.md)
     distributed_executor_backend: str = "mp"  # rank processes spawned by the worker
-    nnodes: int = 1  # machines the ranks are spread over (tensor_parallel_size / nnodes each)
+    # machines the ranks are spread over: tensor_parallel_size / nnodes tensor-parallel
+    # ranks each, or (expert parallelism) data_parallel_size / nnodes data-parallel ranks
+    nnodes: int = 1
     node_rank: int = 0  # this machine's index; node 0 runs the engine and rank 0
     master_addr: str = "127.0.0.1"  # node 0's address, where the ranks meet
-    master_port: int = 29501  # node 0's rendezvous port (several nodes only)
+    # node 0's rendezvous port (several nodes only): the tensor-parallel group's, or the
+    # engine's store where remote data-parallel ranks meet it
+    master_port: int = 29501
 
     # data parallelism: engine cores (scheduler + KV cache + worker) in this engine,
     # each request routed to one of them (docs/distributed.md#data-parallelism)
@@ -275,13 +279,38 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.data_parallel_size if self.enable_expert_parallel else 1
 
     @property
+    def data_parallel_over_nodes(self) -> bool:
+        """The data-parallel ranks are spread over the machines (not the tensor ranks)."""
+        return self.nnodes > 1 and self.data_parallel_size > 1
+
+    @property
     def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks per node."""
+        if self.data_parallel_over_nodes:
+            return self.tensor_parallel_size
         return self.tensor_parallel_size // self.nnodes
 
     def node_ranks(self) -> range:
-        """The global ranks this node runs."""
+        """The global tensor-parallel ranks this node runs."""
         first = self.node_rank * self.ranks_per_node
         return range(first, first + self.ranks_per_node)
+
+    @property
+    def dp_ranks_per_node(self) -> int:
+        """Data-parallel ranks per node (all of them on one machine)."""
+        if self.data_parallel_over_nodes:
+            return self.data_parallel_size // self.nnodes
+        return self.data_parallel_size
+
+    @property
+    def experts_addr(self) -> str:
+        """Where the data-parallel ranks' expert group meets: node 0 across machines."""
+        return self.master_addr if self.data_parallel_over_nodes else "127.0.0.1"
+
+    def node_dp_ranks(self) -> range:
+        """The data-parallel ranks this node runs."""
+        first = self.node_rank * self.dp_ranks_per_node
+        return range(first, first + self.dp_ranks_per_node)
 
 
 def _validate_nodes(p: ParallelConfig) -> None:
@@ -291,13 +320,29 @@ def _validate_nodes(p: ParallelConfig) -> None:
         raise ValueError(
             f"node_rank must be in [0, nnodes - 1 = {p.nnodes - 1}], got {p.node_rank}"
         )
-    if p.tensor_parallel_size % p.nnodes:
+    if p.data_parallel_over_nodes:
+        _validate_dp_nodes(p)
+    elif p.tensor_parallel_size % p.nnodes:
         raise ValueError(
             f"tensor_parallel_size {p.tensor_parallel_size} does not divide over nnodes "
             f"{p.nnodes} (each node runs the same number of ranks)"
         )
     if not 0 < p.master_port < 65536:
         raise ValueError(f"master_port must be a TCP port (1..65535), got {p.master_port}")
+
+
+def _validate_dp_nodes(p: ParallelConfig) -> None:
+    if not p.enable_expert_parallel:
+        raise ValueError(
+            f"data_parallel_size {p.data_parallel_size} over nnodes {p.nnodes} runs with "
+            "--enable-expert-parallel only (without it the ranks are independent replicas: "
+            "run one laneserve per machine behind a load balancer)"
+        )
+    if p.data_parallel_size % p.nnodes:
+        raise ValueError(
+            f"data_parallel_size {p.data_parallel_size} does not divide over nnodes "
+            f"{p.nnodes} (each node runs the same number of data-parallel ranks)"
+        )
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -395,11 +440,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 "enable_expert_parallel with data_parallel_size > 1 runs the ranks in worker "
                 "processes (worker mode 'process')"
-            )
-        if p.nnodes > 1:
-            raise ValueError(
-                "enable_expert_parallel with data_parallel_size > 1 runs on one machine "
-                "(data-parallel ranks across machines are not supported yet)"
             )
         if self.speculative and self.speculative.tree:
             raise ValueError(

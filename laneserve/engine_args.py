@@ -33,7 +33,7 @@ from laneserve.config import (
     default_worker_mode,
     speculative_keys_help,
 )
-from laneserve.engine_compat import check_vllm_flags
+from laneserve.engine_compat import check_vllm_flags, data_parallel_rendezvous
 
 
 def _arg(
@@ -216,6 +216,19 @@ class EngineArgs:
     master_port: int = _from_config(
         ParallelConfig, "master_port", "node 0's rendezvous port (with --nnodes > 1)"
     )
+    # vLLM's multi-node data-parallel flags (engine_compat.py: two are other names of ours)
+    data_parallel_address: str | None = _arg(
+        None, "vLLM's name of --master-addr for data-parallel ranks over --nnodes"
+    )
+    data_parallel_rpc_port: int | None = _arg(
+        None, "vLLM's name of --master-port for data-parallel ranks over --nnodes"
+    )
+    data_parallel_size_local: int | None = _arg(
+        None, "not accepted: use --nnodes (each node runs data-parallel-size / nnodes ranks)"
+    )
+    data_parallel_start_rank: int | None = _arg(
+        None, "not accepted: use --node-rank (node k runs ranks k*L .. k*L+L-1)"
+    )
     # vLLM's flags with a narrower meaning here (engine_compat.py)
     kv_cache_dtype: str = _arg("auto", "KV cache dtype; only auto (the model's dtype)")
     quantization: str | None = _arg(
@@ -258,6 +271,15 @@ class EngineArgs:
 
     def create_config(self) -> EngineConfig:
         self._check_compat()
+        master_addr, master_port = data_parallel_rendezvous(
+            self.master_addr,
+            self.master_port,
+            address=self.data_parallel_address,
+            rpc_port=self.data_parallel_rpc_port,
+            size_local=self.data_parallel_size_local,
+            start_rank=self.data_parallel_start_rank,
+            over_nodes=self.nnodes > 1 and self.data_parallel_size > 1,
+        )
         from laneserve.model.limits import check_max_model_len
 
         # NOTE: before anything loads: a too long context is refused in a second
@@ -299,8 +321,8 @@ class EngineArgs:
                 distributed_executor_backend=self.distributed_executor_backend,
                 nnodes=self.nnodes,
                 node_rank=self.node_rank,
-                master_addr=self.master_addr,
-                master_port=self.master_port,
+                master_addr=master_addr,
+                master_port=master_port,
                 data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel,
             ),

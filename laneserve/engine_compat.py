@@ -10,12 +10,21 @@ it does, and refuses otherwise with the reason (docs/compatibility.md).
   budget (as vLLM V1); turning it off is refused.
 - `max_logprobs`: 0..20, enforced per request.
 - `swap_space`: accepted with no effect: preemption recomputes, nothing swaps to CPU.
+- vLLM's multi-node data-parallel flags: `data_parallel_address` and
+  `data_parallel_rpc_port` name node 0's address and the port the other nodes' ranks
+  reach it at, which are `master_addr` / `master_port` here: accepted as those, for
+  data-parallel ranks over several nodes only. `data_parallel_size_local` and
+  `data_parallel_start_rank` are refused: every node runs `data_parallel_size / nnodes`
+  ranks, node k from rank k*L (`nnodes`, `node_rank`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+from laneserve.config import ParallelConfig
 
 LOGPROBS_CAP = 20  # the most top logprobs laneserve computes per token (OpenAI's limit)
 
@@ -72,3 +81,44 @@ def check_vllm_flags(
             f"max_logprobs must be in [0, {LOGPROBS_CAP}] (laneserve computes at most "
             f"{LOGPROBS_CAP} top logprobs per token), got {max_logprobs}"
         )
+
+
+def data_parallel_rendezvous(
+    master_addr: str,
+    master_port: int,
+    *,
+    address: str | None,
+    rpc_port: int | None,
+    size_local: int | None,
+    start_rank: int | None,
+    over_nodes: bool,
+) -> tuple[str, int]:
+    """Node 0's address and port, from ours or vLLM's names for them; ValueError for
+    vLLM's flags that have no exact equivalent, or for two names that disagree."""
+    if size_local is not None or start_rank is not None:
+        raise ValueError(
+            "data_parallel_size_local / data_parallel_start_rank are not accepted: give "
+            "--nnodes N and --node-rank k (node k runs data-parallel ranks k*L .. k*L+L-1, "
+            "L = data_parallel_size / N) with --headless on nodes 1..N-1"
+        )
+    if (address is not None or rpc_port is not None) and not over_nodes:
+        raise ValueError(
+            "data_parallel_address / data_parallel_rpc_port name node 0 for data-parallel "
+            "ranks over several nodes (--data-parallel-size D --nnodes N > 1); otherwise "
+            "use --master-addr / --master-port"
+        )
+    default = ParallelConfig()
+    return (
+        _one_of("master_addr", master_addr, "data_parallel_address", address, default.master_addr),
+        _one_of(
+            "master_port", master_port, "data_parallel_rpc_port", rpc_port, default.master_port
+        ),
+    )
+
+
+def _one_of(name: str, ours: object, vllm_name: str, theirs: object, default: object) -> Any:
+    if theirs is None:
+        return ours
+    if ours != default and ours != theirs:
+        raise ValueError(f"{name} {ours!r} and {vllm_name} {theirs!r} differ: give one of them")
+    return theirs

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Protocol
 
 import msgspec
 
@@ -39,8 +40,17 @@ _POLL_S = 0.05
 _READY_TIMEOUT_S = 900.0  # first start may build the CPU kernels and convert a GGUF
 
 
-def worker_main(conn_in: Connection, conn: Connection, log_level: int) -> None:
-    """Entry point of the spawned worker process."""
+class FrameSource(Protocol):
+    def recv_bytes(self) -> bytes: ...
+
+
+class FrameSink(Protocol):
+    def send_bytes(self, data: bytes) -> None: ...
+
+
+def worker_main(conn_in: FrameSource, conn: FrameSink, log_level: int) -> None:
+    """Entry point of the spawned worker process (pipes), or of a data-parallel rank's
+    worker on another machine (a `FrameChannel` both ways: worker/remote_worker.py)."""
     ignore_interrupts()
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s worker: %(message)s", datefmt="%H:%M:%S"
@@ -122,13 +132,35 @@ def follower_main(
 class ProcessClient:
     """WorkerClient over a spawned process."""
 
-    def __init__(self, config: EngineConfig, tracer: Tracer | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tracer: Tracer | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:
         self.config = config
         self.tracer = tracer or Tracer(None)
         self.on_death: Callable[[], None] | None = None
+        # set while this worker starts: another rank's worker failed, stop waiting for this one
+        self.cancel = cancel or threading.Event()
         self._start()
 
     def _start(self) -> None:
+        self._launch()
+        try:
+            self._send.send_bytes(protocol.encode(self.config))
+            msg = self._wait_ready()
+        except BaseException:  # Ctrl-C during the start: the worker must not load on
+            self._stop(kill=True)
+            raise
+        if isinstance(msg, WorkerFailed):
+            self._wait_exit()
+            raise (ValueError if msg.bad_input else RuntimeError)(msg.message)
+        self.ready: WorkerReady = msg
+        log.info("%s ready", self.describe())
+
+    def _launch(self) -> None:
+        """The worker process, its pipes (`_send`, `_conn`) and its watcher."""
         to_worker_r, to_worker_w = os.pipe()
         from_worker_r, from_worker_w = os.pipe()
         level = logging.getLogger("laneserve").getEffectiveLevel()
@@ -147,19 +179,16 @@ class ProcessClient:
         ).start()
         os.close(to_worker_r)
         os.close(from_worker_w)
-        self._send = Connection(to_worker_w, readable=False)
+        self._pipe = Connection(to_worker_w, readable=False)
+        self._send: FrameSink = self._pipe
         self._conn = Connection(from_worker_r, writable=False)
-        try:
-            self._send.send_bytes(protocol.encode(self.config))
-            msg = self._wait_ready()
-        except BaseException:  # Ctrl-C during the start: the worker must not load on
-            self._stop(kill=True)
-            raise
-        if isinstance(msg, WorkerFailed):
-            self.process.wait(10)
-            raise (ValueError if msg.bad_input else RuntimeError)(msg.message)
-        self.ready: WorkerReady = msg
-        log.info("worker process %d ready", self.process.pid)
+
+    def describe(self) -> str:
+        return f"worker process {self.process.pid}"
+
+    def _wait_exit(self) -> None:
+        """After a refusal: the worker ends on its own."""
+        self.process.wait(10)
 
     def _wait_ready(self) -> WorkerReady | WorkerFailed:
         deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -174,9 +203,12 @@ class ProcessClient:
                 return msg
             if not self._alive():
                 break
-        raise WorkerDiedError(
-            f"the worker process exited during start-up (code {self.process.poll()})"
-        )
+            if self.cancel.is_set():
+                raise WorkerDiedError("start cancelled: another rank's worker did not start")
+        raise WorkerDiedError(self.start_failure())
+
+    def start_failure(self) -> str:
+        return f"the worker process exited during start-up (code {self.process.poll()})"
 
     def _watch(self, process: subprocess.Popen) -> None:
         process.wait()
@@ -248,7 +280,7 @@ class ProcessClient:
         if self._alive():
             self.process.kill()
             self.process.wait(5)
-        self._send.close()
+        self._pipe.close()
         self._conn.close()
 
 

@@ -94,7 +94,7 @@ class LockstepCore(DataParallelCore):
             return outs
         if len(pending) < len(self.ranks):  # NOTE: a rank that cannot restart stops them all
             return outs + self._stop_all()
-        port = free_port()
+        port = free_port(self.config.parallel.experts_addr)
         configs = [with_rank(self.config, i, port) for i in range(len(self.ranks))]
         with ThreadPoolExecutor(len(self.ranks), thread_name_prefix="ep-restart") as pool:
             futures = [

@@ -279,11 +279,15 @@ def _run_headless(config: EngineConfig) -> int:
 
     from laneserve.ipc import follower_main
     from laneserve.worker.headless import run_headless
+    from laneserve.worker.remote_worker import remote_worker_main
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    return run_headless(config, follower_main, stop)
+    p = config.parallel
+    if p.data_parallel_over_nodes:  # this node's data-parallel ranks' workers
+        return run_headless(config, p.node_dp_ranks(), remote_worker_main, stop)
+    return run_headless(config, p.node_ranks(), follower_main, stop)
 
 
 def _draining_server(config, state: ServerState, grace_s: float):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor, wait
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +33,14 @@ from laneserve.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
-def make_client(config: EngineConfig, tracer: Tracer) -> WorkerClient:
+def make_client(
+    config: EngineConfig, tracer: Tracer, cancel: threading.Event | None = None
+) -> WorkerClient:
     """Process worker, or in-process lanes (async) / inline steps (sync)."""
     if config.worker.mode == "process":
         from laneserve.ipc import ProcessClient
 
-        return ProcessClient(config, tracer)
+        return ProcessClient(config, tracer, cancel)
     from laneserve.worker.clients import InlineClient, LaneClient
 
     return LaneClient(config) if config.scheduler.async_scheduling else InlineClient(config)
@@ -45,22 +48,55 @@ def make_client(config: EngineConfig, tracer: Tracer) -> WorkerClient:
 
 def make_clients(config: EngineConfig, tracer: Tracer) -> list[WorkerClient]:
     """One worker per data-parallel rank, started together (each loads the model); if
-    one fails to start, the others are shut down and its error is raised."""
-    size = config.parallel.data_parallel_size
+    one fails to start, the others are cancelled or shut down and its error is raised.
+    Across machines, node 0's ranks are local worker processes and the others' workers
+    meet this engine's store (`RemoteClient`)."""
+    p = config.parallel
+    size = p.data_parallel_size
     if size == 1:
         return [make_client(config, tracer)]
-    port = free_port() if config.parallel.expert_parallel_size > 1 else 0
+    port = free_port(p.experts_addr) if p.expert_parallel_size > 1 else 0
     configs = [with_rank(config, r, port) for r in range(size)]
+    store = None
+    if p.data_parallel_over_nodes:
+        from laneserve.distributed.remote_rendezvous import host_store
+
+        store = host_store(p.master_addr, p.master_port)
+    cancel = threading.Event()
+    failed: list[BaseException] = []  # in the order the starts failed: the first is the cause
     with ThreadPoolExecutor(size, thread_name_prefix="dp-start") as pool:
-        futures = [pool.submit(make_client, c, tracer) for c in configs]
+        futures = [pool.submit(_rank_client, c, tracer, cancel, store) for c in configs]
+        for f in futures:
+            f.add_done_callback(lambda f: _cancel_on_failure(f, cancel, failed))
         wait(futures)
     started = [f.result() for f in futures if f.exception() is None]
-    failed = [f.exception() for f in futures if f.exception() is not None]
     if failed:
         for client in started:
             client.shutdown()
-        raise failed[0]  # type: ignore[misc]
+        raise failed[0]
     return started
+
+
+def _cancel_on_failure(
+    future: Future, cancel: threading.Event, failed: list[BaseException]
+) -> None:
+    """A rank's start failed: the others stop waiting for their workers."""
+    error = future.exception()
+    if error is not None:
+        failed.append(error)
+        cancel.set()
+
+
+def _rank_client(
+    config: EngineConfig, tracer: Tracer, cancel: threading.Event, store: object | None
+) -> WorkerClient:
+    """A data-parallel rank's client: its worker on this machine, or on another one."""
+    p = config.parallel
+    if store is None or p.data_parallel_rank < p.dp_ranks_per_node:
+        return make_client(config, tracer, cancel)
+    from laneserve.remote_client import RemoteClient
+
+    return RemoteClient(config, store, tracer, cancel)  # type: ignore[arg-type]
 
 
 def _architectures(model_dir: Path) -> list[str]:

@@ -1,8 +1,10 @@
 """`laneserve serve --headless`: a machine that only runs ranks of a model whose engine
 runs on node 0 (docs/distributed.md).
 
-Node k starts its ranks (k*L .. k*L+L-1), which join node 0's group at
-`--master-addr:--master-port` and follow rank 0's commands. When they end (rank 0 went
+Node k starts its ranks (k*L .. k*L+L-1): tensor-parallel ranks, which join node 0's
+group at `--master-addr:--master-port` and follow rank 0's commands; or, with the
+data-parallel ranks spread over the nodes, those ranks' workers, which meet the engine's
+store there and take their commands from it (worker/remote_worker.py). When they end (rank 0 went
 away: the head stopped or its worker restarts; or one of them died), the node starts
 them again after a short pause, so they rejoin the next rank 0: a restarted worker on
 node 0 finds every node's ranks waiting for it. A rank whose flags differ from node 0's
@@ -25,18 +27,21 @@ log = logging.getLogger(__name__)
 RESPAWN_S = 2.0  # pause before the ranks start again: the old rank 0 has time to end
 
 
-def run_headless(config: EngineConfig, target: FollowerMain, stop: threading.Event) -> int:
-    """Run this node's ranks until `stop` is set; 0, or 2 when node 0 refused our flags."""
+def run_headless(
+    config: EngineConfig, ranks: range, target: FollowerMain, stop: threading.Event
+) -> int:
+    """Run this node's ranks (`target(config bytes, rank, ...)` each) until `stop` is set;
+    0, or 2 when node 0 refused our flags."""
     p = config.parallel
     while not stop.is_set():
         procs = [
             spawn_follower(config, r, p.master_addr, p.master_port, target, with_pipe=False)[0]
-            for r in p.node_ranks()
+            for r in ranks
         ]
         log.info(
             "node %d: ranks %s joining %s:%d",
             p.node_rank,
-            list(p.node_ranks()),
+            list(ranks),
             p.master_addr,
             p.master_port,
         )

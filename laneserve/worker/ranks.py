@@ -178,8 +178,11 @@ def join(config: EngineConfig, rank: int, addr: str, port: int, device: torch.de
 
 def config_digest(config: EngineConfig) -> str:
     """What must be equal on every node: the model, cache, speculation and parallel
-    settings (each node names its own node_rank; worker settings are per node)."""
-    same = msgspec.structs.replace(config.parallel, node_rank=0)
+    settings (each node names its own node_rank; worker settings are per node; the engine
+    sets a data-parallel rank's index and experts' port)."""
+    same = msgspec.structs.replace(
+        config.parallel, node_rank=0, data_parallel_rank=0, data_parallel_master_port=0
+    )
     parts = (config.model, config.cache, config.speculative, same)
     return hashlib.sha256(msgspec.msgpack.encode(parts)).hexdigest()
 

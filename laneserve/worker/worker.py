@@ -109,8 +109,10 @@ class Worker:
         threads = config.worker.num_threads or _host_share(config)
         if threads:
             torch.set_num_threads(threads)
-        # NOTE: a data-parallel rank (never combined with tensor parallelism) has its own device
-        index = config.parallel.data_parallel_rank + self.tp.rank
+        # NOTE: a data-parallel rank (never combined with tensor parallelism) has its own
+        # device, numbered on its node
+        p = config.parallel
+        index = p.data_parallel_rank % p.dp_ranks_per_node + self.tp.rank
         self.device = rank_device(resolve_device(config.model.device), index)
         self.ep = self._join_experts()
         m = config.model
@@ -189,9 +191,8 @@ class Worker:
         if p.expert_parallel_size == 1:
             return NO_EXPERTS
         port = p.data_parallel_master_port
-        return join_experts(
-            p.data_parallel_rank, p.data_parallel_size, "127.0.0.1", port, self.device
-        )
+        addr = p.experts_addr
+        return join_experts(p.data_parallel_rank, p.data_parallel_size, addr, port, self.device)
 
     def _expert_steps(self) -> ExpertSteps | None:
         if self.ep.size == 1:
@@ -627,7 +628,7 @@ def _host_share(config: EngineConfig) -> int | None:
     take them all and the ranks, waiting on each other's collectives, would be descheduled);
     None: one rank, or a GPU per rank (torch's choice)."""
     p = config.parallel
-    ranks = p.data_parallel_size * p.ranks_per_node
+    ranks = p.dp_ranks_per_node * p.ranks_per_node
     if ranks == 1 or resolve_device(config.model.device).type != "cpu":
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -80,6 +80,89 @@ def test_the_flags_reach_the_config() -> None:
     )
 
 
+def _dp_config(**parallel: object) -> EngineConfig:
+    p = {"data_parallel_size": 2, "nnodes": 2, "enable_expert_parallel": True, **parallel}
+    return EngineConfig(
+        model=ModelConfig(model="m"),
+        worker=WorkerConfig(mode="process"),
+        parallel=ParallelConfig(**p),  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("parallel", "message"),
+    [
+        ({"enable_expert_parallel": False}, "runs with --enable-expert-parallel only"),
+        ({"data_parallel_size": 3}, "data_parallel_size 3 does not divide over nnodes 2"),
+        ({"tensor_parallel_size": 2}, "with tensor_parallel_size > 1 is not supported"),
+        ({"node_rank": 2}, "node_rank must be in"),
+    ],
+)
+def test_bad_data_parallel_node_settings_are_refused(parallel: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _dp_config(**parallel).validate()
+
+
+def test_each_node_runs_its_own_data_parallel_ranks() -> None:
+    _dp_config(data_parallel_size=4).validate()  # expert parallelism over nodes is accepted
+    p = _dp_config(data_parallel_size=4, node_rank=1, master_addr="10.0.0.1").parallel
+    assert (p.dp_ranks_per_node, list(p.node_dp_ranks()), p.ranks_per_node) == (2, [2, 3], 1)
+    assert p.experts_addr == "10.0.0.1"  # the experts' group meets at node 0
+    one = ParallelConfig(data_parallel_size=2, master_addr="10.0.0.1")
+    assert (one.dp_ranks_per_node, one.experts_addr) == (2, "127.0.0.1")
+
+
+def test_the_digest_ignores_what_the_engine_sets_per_rank() -> None:
+    head = _dp_config()
+    rank1 = msgspec.structs.replace(
+        head,
+        parallel=msgspec.structs.replace(
+            head.parallel, data_parallel_rank=1, data_parallel_master_port=40000
+        ),
+    )
+    node1 = msgspec.structs.replace(
+        head, parallel=msgspec.structs.replace(head.parallel, node_rank=1)
+    )
+    assert config_digest(rank1) == config_digest(node1) == config_digest(head)
+    assert config_digest(_dp_config(data_parallel_size=4)) != config_digest(head)
+
+
+def _parse(flags: str) -> EngineArgs:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    return EngineArgs.from_cli(
+        p.parse_args(["--model", "m", "--worker-mode", "process", *flags.split()])
+    )
+
+
+DP_NODES = "--data-parallel-size 2 --enable-expert-parallel --nnodes 2"
+
+
+def test_vllms_data_parallel_address_and_rpc_port_name_node_0() -> None:
+    flags = f"{DP_NODES} --data-parallel-address 10.0.0.1 --data-parallel-rpc-port 29600"
+    par = _parse(flags).create_config().parallel
+    assert (par.master_addr, par.master_port) == ("10.0.0.1", 29600)
+    same = _parse(f"{flags} --master-addr 10.0.0.1").create_config().parallel
+    assert same.master_addr == "10.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (f"{DP_NODES} --data-parallel-size-local 1", "use --nnodes|give --nnodes N"),
+        (f"{DP_NODES} --data-parallel-start-rank 1", "--node-rank k"),
+        ("--data-parallel-size 2 --data-parallel-address 10.0.0.1", "use --master-addr"),
+        (f"{DP_NODES} --data-parallel-address 10.0.0.1 --master-addr 10.0.0.2", "differ"),
+        (f"{DP_NODES} --data-parallel-rpc-port 29600 --master-port 29700", "differ"),
+    ],
+)
+def test_vllms_other_data_parallel_flags_are_refused(flags: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _parse(flags).create_config()
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -98,10 +181,14 @@ def test_node_roles_are_checked_before_anything_loads(
     assert r.returncode == 2 and message in r.stdout, (r.stdout, r.stderr)
 
 
-def _headless(model: Path, port: int, *extra: str) -> subprocess.Popen:
+TP2 = ("--tensor-parallel-size", "2")
+
+
+def headless(model: Path, port: int, *extra: str, sizes: tuple[str, ...] = TP2) -> subprocess.Popen:
+    """Node 1's launch (`serve --headless --node-rank 1`), its output piped."""
     cmd = [
         sys.executable, "-m", "laneserve.entrypoints.cli", "serve", str(model), "--headless",
-        "--dtype", "float32", "--max-model-len", "256", "--tensor-parallel-size", "2",
+        "--dtype", "float32", "--max-model-len", "256", *sizes,
         "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
         "--master-port", str(port), *extra,
     ]  # fmt: skip
@@ -113,7 +200,7 @@ def _head(model: Path, port: int) -> Server:
     return start_server(model, *flags)
 
 
-def _node_rank_pid(launcher: subprocess.Popen) -> int:
+def node_rank_pid(launcher: subprocess.Popen) -> int:
     """Node 1's rank process (a spawned child of the headless launcher)."""
     out = []
     for task in Path(f"/proc/{launcher.pid}/task").iterdir():
@@ -125,7 +212,7 @@ def _node_rank_pid(launcher: subprocess.Popen) -> int:
     return out[0]
 
 
-def _end(proc: subprocess.Popen) -> str:
+def end(proc: subprocess.Popen) -> str:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -150,33 +237,33 @@ def test_two_nodes_serve_and_a_killed_node_rank_is_a_worker_death(
     tiny_models: dict[str, Path],
 ) -> None:
     model, port = tiny_models["llama"], free_port()
-    node1 = _headless(model, port)
+    node1 = headless(model, port)
     head = None
     try:
         head = _head(model, port)
         reference = head.greedy()
         assert reference == _plain_greedy(model, "The old lighthouse stood at the end")
-        rank = _node_rank_pid(node1)
+        rank = node_rank_pid(node1)
         health = kill_during_streams(head, rank, 2, STREAM)
         wait_for(lambda: 503 in health.seen and health.seen[-1] == 200, "health 503, then 200")
         health.close()
-        assert _node_rank_pid(node1) != rank  # node 1 started its rank again
+        assert node_rank_pid(node1) != rank  # node 1 started its rank again
         assert head.greedy() == reference
         assert httpx.get(f"{head.url}/health").status_code == 200
     finally:
         if head is not None:
             stop_server(head)
-        _end(node1)
+        end(node1)
 
 
 @pytest.mark.slow  # two launches
 def test_a_node_with_other_flags_is_refused(tiny_models: dict[str, Path]) -> None:
     model, port = tiny_models["llama"], free_port()
-    node1 = _headless(model, port, "--block-size", "8")
+    node1 = headless(model, port, "--block-size", "8")
     try:
         with pytest.raises(RuntimeError, match="other flags than rank 0"):
             _head(model, port)
         assert node1.wait(120) == 2
         assert "other flags" in (node1.stdout.read() if node1.stdout else "")
     finally:
-        _end(node1)
+        end(node1)

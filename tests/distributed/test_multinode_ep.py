@@ -1,0 +1,91 @@
+"""Data-parallel ranks with expert parallelism on two "machines": two launches on
+127.0.0.1, node 0 serving the API with DP rank 0's worker (`--nnodes 2 --node-rank 0`)
+and node 1 running DP rank 1's worker only (`--headless`), which takes its commands from
+the engine over a gloo channel (laneserve/remote_client.py).
+
+Concurrent greedy streams give one device's text (MTP k = 2 on, as on one machine);
+killing node 1's worker fails every stream (both ranks'), /health goes 503 and comes back
+once node 1 has started its worker again and both ranks restarted; an idle kill is seen
+by the heartbeat; a node started with other flags is refused on both sides."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_multinode import end, headless, node_rank_pid
+from tests.server.conftest import Server, free_port, start_server, stop_server, wait_for
+from tests.server.test_data_parallel_serve import per_engine, run_streams, worker_pids
+from tests.server.test_expert_parallel_serve import SPEC, deepseek, one_device
+from tests.server.test_faults import HealthLog
+
+__all__ = ["deepseek"]  # the module-scoped checkpoint fixture
+
+pytestmark = pytest.mark.slow  # two launches, two workers, restarts
+
+DP2 = ("--data-parallel-size", "2", "--enable-expert-parallel", "--speculative-config", SPEC)
+
+
+def _head(model: Path, port: int) -> Server:
+    return start_server(model, *DP2, "--nnodes", "2", "--master-port", str(port))
+
+
+def _streams_equal(head: Server, want: list[str]) -> None:
+    outs, threads = run_streams(head, 40)
+    for t in threads:
+        t.join(120)
+    assert [o["text"] for o in outs] == want
+    assert all(o["finish"] == "length" and o["error"] is None for o in outs)
+
+
+def test_two_nodes_serve_one_devices_text_and_restart_after_node_1_dies(deepseek: Path) -> None:
+    want = one_device(deepseek, 40)
+    port = free_port()
+    node1 = headless(deepseek, port, sizes=DP2)
+    head = None
+    try:
+        head = _head(deepseek, port)
+        assert len(worker_pids(head)) == 1  # node 0 runs rank 0's worker only
+        _streams_equal(head, want)
+        assert min(per_engine(head, "vllm:generation_tokens_total")) >= 40  # both ranks served
+
+        remote = node_rank_pid(node1)  # killed while streams decode on both ranks
+        outs, threads = run_streams(head, 200)
+        health = HealthLog(head)
+        os.kill(remote, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        for o in outs:
+            assert o["error"] is not None and o["error"]["code"] >= 500, o
+            assert "died" in o["error"]["message"] and o["finish"] is None
+        wait_for(lambda: 503 in health.seen and health.seen[-1] == 200, "health 503, then 200")
+        health.close()
+        assert node_rank_pid(node1) != remote  # node 1 started its worker again
+        _streams_equal(head, want)
+
+        remote = node_rank_pid(node1)  # killed while idle: the channel's heartbeat sees it
+        health = HealthLog(head)
+        os.kill(remote, signal.SIGKILL)
+        wait_for(lambda: 503 in health.seen and health.seen[-1] == 200, "idle: 503, then 200")
+        health.close()
+        _streams_equal(head, want)
+    finally:
+        if head is not None:
+            stop_server(head)
+        out = end(node1)
+    assert "ranks [1] joining 127.0.0.1" in out
+
+
+def test_a_node_with_other_flags_is_refused(deepseek: Path) -> None:
+    port = free_port()
+    node1 = headless(deepseek, port, "--block-size", "8", sizes=DP2)
+    try:
+        with pytest.raises(RuntimeError, match="other flags than node 0"):
+            _head(deepseek, port)
+        assert node1.wait(120) == 2
+        assert "other flags than node 0" in (node1.stdout.read() if node1.stdout else "")
+    finally:
+        end(node1)
