@@ -205,7 +205,10 @@ class EngineArgs:
         "mp", "how the ranks start: 'mp' (processes spawned by the worker)", choices=("mp",)
     )
     nnodes: int = _from_config(
-        ParallelConfig, "nnodes", "machines the tensor-parallel ranks are spread over"
+        ParallelConfig,
+        "nnodes",
+        "machines the tensor-parallel ranks (or, with --enable-expert-parallel, the "
+        "data-parallel ranks) are spread over",
     )
     node_rank: int = _from_config(
         ParallelConfig, "node_rank", "this machine's index (0: the engine's; others: --headless)"
@@ -214,7 +217,10 @@ class EngineArgs:
         ParallelConfig, "master_addr", "node 0's address, where the ranks of every node meet"
     )
     master_port: int = _from_config(
-        ParallelConfig, "master_port", "node 0's rendezvous port (with --nnodes > 1)"
+        ParallelConfig,
+        "master_port",
+        "node 0's rendezvous port (with --nnodes > 1): the tensor-parallel group's, or the "
+        "engine's store that remote data-parallel ranks join",
     )
     # vLLM's multi-node data-parallel flags (engine_compat.py: two are other names of ours)
     data_parallel_address: str | None = _arg(

@@ -4,9 +4,10 @@ and node 1 running DP rank 1's worker only (`--headless`), which takes its comma
 the engine over a gloo channel (laneserve/remote_client.py).
 
 Concurrent greedy streams give one device's text (MTP k = 2 on, as on one machine);
-killing node 1's worker fails every stream (both ranks'), /health goes 503 and comes back
-once node 1 has started its worker again and both ranks restarted; an idle kill is seen
-by the heartbeat; a node started with other flags is refused on both sides."""
+killing node 1's worker or node 0's fails every stream (both ranks'), /health goes 503
+and comes back once both ranks restarted; an idle kill is seen by the heartbeat; node 1
+gone altogether keeps the server 503 until it is started again; a node started with
+other flags is refused on both sides."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.distributed.test_multinode import end, headless, node_rank_pid
@@ -41,10 +43,25 @@ def _streams_equal(head: Server, want: list[str]) -> None:
     assert all(o["finish"] == "length" and o["error"] is None for o in outs)
 
 
-def test_two_nodes_serve_one_devices_text_and_restart_after_node_1_dies(deepseek: Path) -> None:
+def _kill_during_streams(head: Server, pid: int) -> None:
+    """SIGKILL `pid` while streams decode on both ranks: every stream ends with an error,
+    /health goes 503, then 200 once both ranks restarted."""
+    outs, threads = run_streams(head, 200)
+    health = HealthLog(head)
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    for o in outs:  # its rank's worker died, or its rank waited on the one that did
+        assert o["error"] is not None and o["error"]["code"] >= 500, o
+        assert "died" in o["error"]["message"] and o["finish"] is None
+    wait_for(lambda: 503 in health.seen and health.seen[-1] == 200, "health 503, then 200")
+    health.close()
+
+
+def test_two_nodes_serve_one_devices_text_and_restart_after_a_death(deepseek: Path) -> None:
     want = one_device(deepseek, 40)
     port = free_port()
-    node1 = headless(deepseek, port, sizes=DP2)
+    nodes = [headless(deepseek, port, sizes=DP2)]
     head = None
     try:
         head = _head(deepseek, port)
@@ -52,31 +69,39 @@ def test_two_nodes_serve_one_devices_text_and_restart_after_node_1_dies(deepseek
         _streams_equal(head, want)
         assert min(per_engine(head, "vllm:generation_tokens_total")) >= 40  # both ranks served
 
-        remote = node_rank_pid(node1)  # killed while streams decode on both ranks
-        outs, threads = run_streams(head, 200)
-        health = HealthLog(head)
-        os.kill(remote, signal.SIGKILL)
-        for t in threads:
-            t.join(120)
-        for o in outs:
-            assert o["error"] is not None and o["error"]["code"] >= 500, o
-            assert "died" in o["error"]["message"] and o["finish"] is None
-        wait_for(lambda: 503 in health.seen and health.seen[-1] == 200, "health 503, then 200")
-        health.close()
-        assert node_rank_pid(node1) != remote  # node 1 started its worker again
+        remote = node_rank_pid(nodes[0])  # node 1's worker
+        _kill_during_streams(head, remote)
+        assert node_rank_pid(nodes[0]) != remote  # node 1 started its worker again
         _streams_equal(head, want)
 
-        remote = node_rank_pid(node1)  # killed while idle: the channel's heartbeat sees it
+        local = worker_pids(head)[0]  # node 0's worker: node 1's restarts with it
+        remote = node_rank_pid(nodes[0])
+        _kill_during_streams(head, local)
+        assert worker_pids(head) != [local] and node_rank_pid(nodes[0]) != remote
+        _streams_equal(head, want)
+
+        remote = node_rank_pid(nodes[0])  # killed while idle: the channel's heartbeat sees it
         health = HealthLog(head)
         os.kill(remote, signal.SIGKILL)
         wait_for(lambda: 503 in health.seen and health.seen[-1] == 200, "idle: 503, then 200")
         health.close()
         _streams_equal(head, want)
+
+        remote = node_rank_pid(nodes[0])  # node 1 gone (its launch and its worker) ...
+        health = HealthLog(head)
+        nodes[0].kill()
+        os.kill(remote, signal.SIGKILL)
+        wait_for(lambda: 503 in health.seen, "health 503 with node 1 gone")
+        assert "restarting" in httpx.get(f"{head.url}/health").text
+        nodes.append(headless(deepseek, port, sizes=DP2))  # ... and started again
+        wait_for(lambda: health.seen[-1] == 200, "health 200 with node 1 back")
+        health.close()
+        _streams_equal(head, want)
     finally:
         if head is not None:
             stop_server(head)
-        out = end(node1)
-    assert "ranks [1] joining 127.0.0.1" in out
+        out = [end(node) for node in nodes]
+    assert "ranks [1] joining 127.0.0.1" in out[-1]
 
 
 def test_a_node_with_other_flags_is_refused(deepseek: Path) -> None:
