@@ -20,7 +20,7 @@ import pytest
 
 from tests.distributed.test_multinode import end, headless, node_rank_pid
 from tests.server.conftest import Server, free_port, start_server, stop_server, wait_for
-from tests.server.test_data_parallel_serve import per_engine, run_streams, worker_pids
+from tests.server.test_data_parallel_serve import labelled, per_engine, run_streams, worker_pids
 from tests.server.test_expert_parallel_serve import SPEC, deepseek, one_device
 from tests.server.test_faults import HealthLog
 
@@ -114,3 +114,25 @@ def test_a_node_with_other_flags_is_refused(deepseek: Path) -> None:
         assert "other flags than node 0" in (node1.stdout.read() if node1.stdout else "")
     finally:
         end(node1)
+
+
+def test_four_ranks_over_two_nodes_run_two_workers_each(deepseek: Path) -> None:
+    """L = 2: node 0 runs ranks 0, 1 (two local workers), node 1 ranks 2, 3 (experts
+    4..5 and 6..7 of 8); the text is one device's and every rank serves."""
+    want = one_device(deepseek, 40)
+    d4 = ("--data-parallel-size", "4", *DP2[2:])
+    port = free_port()
+    node1 = headless(deepseek, port, sizes=d4)
+    head = None
+    try:
+        head = start_server(deepseek, *d4, "--nnodes", "2", "--master-port", str(port))
+        assert len(worker_pids(head)) == 2
+        _streams_equal(head, want)
+        tokens = labelled(head, "vllm:generation_tokens_total")
+        served = {dict(labels)["engine"]: n for labels, n in tokens.items()}
+        assert sorted(served) == ["0", "1", "2", "3"] and min(served.values()) >= 40
+    finally:
+        if head is not None:
+            stop_server(head)
+        out = end(node1)
+    assert "ranks [2, 3] joining" in out and "routed experts 6..7 of each MoE layer" in out
