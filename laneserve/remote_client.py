@@ -16,6 +16,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import threading
+from multiprocessing.connection import Connection
 
 import torch.distributed as dist
 
@@ -49,15 +50,18 @@ class RemoteClient(ProcessClient):
         self.join_timeout_s = join_timeout_s
         self._arrival = 0  # the last arrival of this rank's worker that was met
         self._why = "not started"
+        self._dead = threading.Event()  # set while no worker is met (before, between, after)
+        self._dead.set()
+        self._receiver: threading.Thread | None = None  # frames: channel -> pipe
+        self.channel: FrameChannel | None = None  # the worker met last
         super().__init__(config, tracer, cancel)
 
     def _launch(self) -> None:
         self._stopping = False
-        self._dead = threading.Event()
-        self.channel, self._arrival = meet(
+        channel, self._arrival = meet(
             self.store, self.rank, self._arrival, self.join_timeout_s, self.cancel
         )
-        channel = self.channel
+        self.channel, self._dead = channel, threading.Event()
         channel.start_heartbeat(lambda e: self._died(channel, f"{e}"))
         try:
             self._introduce(channel)
@@ -92,7 +96,7 @@ class RemoteClient(ProcessClient):
         p = self.config.parallel
         return self.rank // (p.data_parallel_size // p.nnodes)
 
-    def _receive(self, channel: FrameChannel, pipe: mp.connection.Connection) -> None:
+    def _receive(self, channel: FrameChannel, pipe: Connection) -> None:
         why = "the worker stopped"
         try:
             while data := channel.recv_bytes():
@@ -121,7 +125,8 @@ class RemoteClient(ProcessClient):
         return f"{self.describe()} ended during start-up ({self._why})"
 
     def _wait_exit(self) -> None:
-        self._receiver.join(_STOP_S)
+        if self._receiver is not None:
+            self._receiver.join(_STOP_S)
 
     def _alive(self) -> bool:
         return not self._dead.is_set()
@@ -134,23 +139,17 @@ class RemoteClient(ProcessClient):
         stop frame, or on its channel closing); then wait for its channel to close."""
         self._stopping = True
         channel = self.channel
+        if channel is None:  # no worker was ever met
+            return
         if self._alive():
             with contextlib.suppress(OSError):
                 channel.send_bytes(b"")
-        receiver = getattr(self, "_receiver", None)
+        receiver, self._receiver = self._receiver, None
         if receiver is not None:
             receiver.join(_STOP_S)
-        self._close(channel)
-        if receiver is not None:
             self._conn.close()
+        self._close(channel)
 
     def _close(self, channel: FrameChannel) -> None:
         channel.stop_heartbeat()
         self._dead.set()
-
-    def restart(self, config: EngineConfig | None = None) -> None:
-        self._stop(kill=True)
-        self._receiver = None  # type: ignore[assignment]
-        if config is not None:
-            self.config = config
-        self._start()
