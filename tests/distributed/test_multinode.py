@@ -200,16 +200,21 @@ def _head(model: Path, port: int) -> Server:
     return start_server(model, *flags)
 
 
-def node_rank_pid(launcher: subprocess.Popen) -> int:
-    """Node 1's rank process (a spawned child of the headless launcher)."""
+def node_rank_pids(launcher: subprocess.Popen) -> list[int]:
+    """Node 1's rank processes (spawned children of the headless launcher)."""
     out = []
     for task in Path(f"/proc/{launcher.pid}/task").iterdir():
         for pid in (task / "children").read_text().split():
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             if b"spawn_main" in cmdline:
                 out.append(int(pid))
-    assert len(out) == 1, out
-    return out[0]
+    return sorted(out)
+
+
+def node_rank_pid(launcher: subprocess.Popen) -> int:
+    """Node 1's one rank process."""
+    (pid,) = node_rank_pids(launcher)
+    return pid
 
 
 def end(proc: subprocess.Popen) -> str:

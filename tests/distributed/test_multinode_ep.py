@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.distributed.test_multinode import end, headless, node_rank_pid
+from tests.distributed.test_multinode import end, headless, node_rank_pid, node_rank_pids
 from tests.server.conftest import Server, free_port, start_server, stop_server, wait_for
 from tests.server.test_data_parallel_serve import labelled, per_engine, run_streams, worker_pids
 from tests.server.test_expert_parallel_serve import SPEC, deepseek, one_device
@@ -118,7 +118,8 @@ def test_a_node_with_other_flags_is_refused(deepseek: Path) -> None:
 
 def test_four_ranks_over_two_nodes_run_two_workers_each(deepseek: Path) -> None:
     """L = 2: node 0 runs ranks 0, 1 (two local workers), node 1 ranks 2, 3 (experts
-    4..5 and 6..7 of 8); the text is one device's and every rank serves."""
+    4..5 and 6..7 of 8); the text is one device's and every rank serves; one of node 1's
+    workers killed restarts all four."""
     want = one_device(deepseek, 40)
     d4 = ("--data-parallel-size", "4", *DP2[2:])
     port = free_port()
@@ -131,6 +132,13 @@ def test_four_ranks_over_two_nodes_run_two_workers_each(deepseek: Path) -> None:
         tokens = labelled(head, "vllm:generation_tokens_total")
         served = {dict(labels)["engine"]: n for labels, n in tokens.items()}
         assert sorted(served) == ["0", "1", "2", "3"] and min(served.values()) >= 40
+        local, remote = worker_pids(head), node_rank_pids(node1)
+        assert len(remote) == 2
+        _kill_during_streams(head, remote[1])
+        wait_for(lambda: len(node_rank_pids(node1)) == 2, "node 1's two workers")
+        assert not set(worker_pids(head)) & set(local)
+        assert not set(node_rank_pids(node1)) & set(remote)
+        _streams_equal(head, want)
     finally:
         if head is not None:
             stop_server(head)
