@@ -9,6 +9,8 @@ FIFO order. The engine polls for results and checks that the process is alive
 between polls, so a dead worker is noticed within ~50 ms instead of hanging; a
 watcher thread waits on the process too and calls `on_death` when it exits
 unasked, so that a death is noticed while the engine is idle as well.
+The same loop (`worker_main`) serves a data-parallel rank's worker on another machine,
+with a `FrameChannel` for both pipes (worker/remote_worker.py, remote_client.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -29,6 +29,9 @@ from laneserve.frontend.output_processor import Delta, OutputProcessor, RequestS
 from laneserve.frontend.tokenizer import Tokenizer
 from laneserve.obs.profiling import Tracer
 from laneserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ def _cancel_on_failure(
 
 
 def _rank_client(
-    config: EngineConfig, tracer: Tracer, cancel: threading.Event, store: object | None
+    config: EngineConfig, tracer: Tracer, cancel: threading.Event, store: Store | None
 ) -> WorkerClient:
     """A data-parallel rank's client: its worker on this machine, or on another one."""
     p = config.parallel
@@ -96,7 +99,7 @@ def _rank_client(
         return make_client(config, tracer, cancel)
     from laneserve.remote_client import RemoteClient
 
-    return RemoteClient(config, store, tracer, cancel)  # type: ignore[arg-type]
+    return RemoteClient(config, store, tracer, cancel)
 
 
 def _architectures(model_dir: Path) -> list[str]:

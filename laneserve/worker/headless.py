@@ -4,10 +4,10 @@ runs on node 0 (docs/distributed.md).
 Node k starts its ranks (k*L .. k*L+L-1): tensor-parallel ranks, which join node 0's
 group at `--master-addr:--master-port` and follow rank 0's commands; or, with the
 data-parallel ranks spread over the nodes, those ranks' workers, which meet the engine's
-store there and take their commands from it (worker/remote_worker.py). When they end (rank 0 went
-away: the head stopped or its worker restarts; or one of them died), the node starts
-them again after a short pause, so they rejoin the next rank 0: a restarted worker on
-node 0 finds every node's ranks waiting for it. A rank whose flags differ from node 0's
+store there and take their commands from it (worker/remote_worker.py). When they end
+(rank 0 or the engine went away: the head stopped or restarts its workers; or one of
+them died), the node starts them again after a short pause, so they rejoin: a restarted
+worker on node 0 (or engine) finds every node's ranks waiting for it. A rank whose flags differ from node 0's
 ends the node (exit 2): starting it again would not help.
 """
 
