@@ -5,7 +5,7 @@ the engine over a gloo channel (laneserve/remote_client.py).
 
 Concurrent greedy streams give one device's text (MTP k = 2 on, as on one machine);
 killing node 1's worker or node 0's fails every stream (both ranks'), /health goes 503
-and comes back once both ranks restarted; an idle kill is seen by the heartbeat; node 1
+and comes back once both ranks restarted; an idle kill is seen with no step running; node 1
 gone altogether keeps the server 503 until it is started again; a node started with
 other flags is refused on both sides."""
 
@@ -80,7 +80,7 @@ def test_two_nodes_serve_one_devices_text_and_restart_after_a_death(deepseek: Pa
         assert worker_pids(head) != [local] and node_rank_pid(nodes[0]) != remote
         _streams_equal(head, want)
 
-        remote = node_rank_pid(nodes[0])  # killed while idle: the channel's heartbeat sees it
+        remote = node_rank_pid(nodes[0])  # killed while idle: the channel's reader sees it
         health = HealthLog(head)
         os.kill(remote, signal.SIGKILL)
         wait_for(lambda: 503 in health.seen and health.seen[-1] == 200, "idle: 503, then 200")
