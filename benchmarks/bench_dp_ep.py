@@ -6,11 +6,14 @@ run is traced (`--profile-dir`), and from its trace each rank's exchanges per st
 bytes sent, milliseconds in the all-to-alls, waiting included) and `laneserve profile
 analyze`'s per-rank host gaps and critical rank are printed. Not a timed test: on a
 2-core machine the two ranks share the cores with each other, so this is the cost of
-the correctness path, not a speed-up.
+the correctness path, not a speed-up. On CUDA each rank takes its own GPU (cuda:0 ..
+cuda:D-1, NCCL) and the single rank runs on cuda:0.
 
     .venv/bin/python benchmarks/bench_dp_ep.py                        # V3, 32 requests
     .venv/bin/python benchmarks/bench_dp_ep.py --family v4 --requests 8 --max-tokens 16
     .venv/bin/python benchmarks/bench_dp_ep.py --quick                # tiny fp32 smoke run
+    .venv/bin/python benchmarks/bench_dp_ep.py --device cuda --ranks 8 --requests 256
+                                               # one GPU per rank (NCCL): needs --ranks GPUs
 
 Run from the repository root (the checkpoint builders live in tests/).
 """
@@ -26,6 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
 
 from benchmarks.bench_deepseek import MID, MID_V4, QUICK, prompts
 from laneserve import LLM, SamplingParams
@@ -76,7 +81,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--quick", action="store_true", help="the tiny test config in fp32")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--ranks", type=int, default=2, help="data-parallel = expert-parallel size")
     args = ap.parse_args()
+    if args.device == "cuda" and not 0 < args.ranks <= torch.cuda.device_count():
+        ap.error(f"--ranks {args.ranks} needs that many GPUs; {torch.cuda.device_count()} seen")
     v4 = args.family == "v4"
     cfg, dtype = (MID_V4 if v4 else MID), args.dtype
     if args.quick:
@@ -88,13 +97,17 @@ def main() -> None:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         reqs = prompts(args.requests, args.prompt_len, vocab)
         kw: dict = {"dtype": dtype, "worker_mode": "process", "async_scheduling": True}
+        kw["device"] = args.device
         one, want = generate(model, reqs, args.max_tokens, **kw)
         trace = root / "trace"
-        ep = {"data_parallel_size": 2, "enable_expert_parallel": True, "profile_dir": str(trace)}
+        ep = {"data_parallel_size": args.ranks, "enable_expert_parallel": True}
+        ep["profile_dir"] = str(trace)
         two, got = generate(model, reqs, args.max_tokens, **kw, **ep)
         print(f"DeepSeek {args.family.upper()} {'tiny' if args.quick else 'mid-size'}, {dtype}, "
-              f"{args.requests} requests x {args.max_tokens} tokens, prompt {args.prompt_len}")  # fmt: skip
-        print(f"one rank: {one:.1f} tok/s | DP 2 + EP 2: {two:.1f} tok/s ({two / one:.2f}x) | "
+              f"{args.requests} requests x {args.max_tokens} tokens, prompt {args.prompt_len}, "
+              f"{args.device}")  # fmt: skip
+        d = args.ranks
+        print(f"one rank: {one:.1f} tok/s | DP {d} + EP {d}: {two:.1f} tok/s ({two / one:.2f}x) | "
               f"greedy tokens equal: {got == want}")  # fmt: skip
         print("\n".join(exchanges(trace)))
         lines = report([trace]).splitlines()

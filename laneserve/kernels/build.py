@@ -79,10 +79,14 @@ AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw"})
 ISAS = ("avx2", "avx512")
 AMX_ENV = "LANESERVE_KERNEL_AMX"  # "0": prefill rows use the decode kernel even with AMX
 AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16"})
-DPBF16_ENV = "LANESERVE_KERNEL_DPBF16"  # "0": no AVX-512 BF16 prompt-row path
+DPBF16_ENV = "LANESERVE_KERNEL_DPBF16"  # "0" / "1": AVX-512 BF16 prompt-row path off / on
+# vdpbf16ps issues twice per cycle on these vendors' cores and only once on Intel's (no
+# faster than the fp32 FMA chain there): measured in docs/kernels.md
+DPBF16_FAST_VENDORS = frozenset({"AuthenticAMD"})
 DPBF16_CPU_FLAG = "avx512_bf16"
 VNNI_CPU_FLAG = "avx512_vnni"  # quant_linear_q8: GGUF weights with int8 activations
 _OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
 
 # NOTE: -ffp-contract=off: the kernels place every FMA explicitly; letting the compiler
 # contract a*b+c elsewhere would make scalar tails differ from vector bodies and from
@@ -155,6 +159,18 @@ def cpu_flags() -> set[str] | None:
     return None
 
 
+def cpu_vendor() -> str | None:
+    """The CPU's vendor_id from /proc/cpuinfo ("AuthenticAMD", "GenuineIntel"), or None."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def cpu_supported() -> bool:
     """True on x86-64 CPUs with AVX2, FMA and F16C."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -193,10 +209,17 @@ def prefill_amx(isa: str) -> bool:
 def prefill_dpbf16(isa: str, amx: bool) -> bool:
     """True where prefill rows of bf16 linears take the AVX-512 BF16 dot-product path
     (``linear_prefill`` method 1): no AMX path, ``isa`` is "avx512", the CPU has
-    avx512_bf16 and ``LANESERVE_KERNEL_DPBF16`` is not "0"."""
-    if amx or os.environ.get(DPBF16_ENV, "").strip().lower() in _OFF:
+    avx512_bf16, and it is faster there than the fp32 chain (a vendor of
+    ``DPBF16_FAST_VENDORS``). ``LANESERVE_KERNEL_DPBF16`` "0" turns it off, "1" on (where
+    the CPU has the instruction) whatever the vendor."""
+    want = os.environ.get(DPBF16_ENV, "").strip().lower()
+    if want not in ("", *_OFF, *_ON):
+        raise ValueError(f"{DPBF16_ENV} must be 0 or 1, got {want!r}")
+    if amx or want in _OFF:
         return False
-    return isa == "avx512" and DPBF16_CPU_FLAG in (cpu_flags() or set())
+    if isa != "avx512" or DPBF16_CPU_FLAG not in (cpu_flags() or set()):
+        return False
+    return want in _ON or cpu_vendor() in DPBF16_FAST_VENDORS
 
 
 def q8_vnni(isa: str) -> bool:

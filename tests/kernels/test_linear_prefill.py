@@ -48,24 +48,33 @@ def test_the_path_is_taken(prompt_path: CpuKernels) -> None:
     assert not torch.equal(prompt_path.linear(x, pw, first_prefill=0), prompt_path.linear(x, pw))
 
 
-def test_the_dot_product_path_needs_avx512_bf16_and_no_amx(
+def test_the_dot_product_path_needs_avx512_bf16_no_amx_and_a_fast_vendor(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     has_flag = DPBF16_CPU_FLAG in (cpu_flags() or set())
     monkeypatch.delenv(DPBF16_ENV, raising=False)
-    assert prefill_dpbf16("avx512", amx=False) == has_flag
-    # both answers on any machine: a CPU with the flag, and one without it
+    fast = kbuild.cpu_vendor() in kbuild.DPBF16_FAST_VENDORS
+    assert prefill_dpbf16("avx512", amx=False) == (has_flag and fast)
+    # every answer on any machine: a CPU with the flag, and one without it
     avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw"}
     monkeypatch.setattr(kbuild, "cpu_flags", lambda: avx512 | {DPBF16_CPU_FLAG})
+    monkeypatch.setattr(kbuild, "cpu_vendor", lambda: "AuthenticAMD")
     assert prefill_dpbf16("avx512", amx=False)
-    assert not prefill_dpbf16("avx512", amx=True)
-    monkeypatch.setattr(kbuild, "cpu_flags", lambda: avx512)
-    assert not prefill_dpbf16("avx512", amx=False)
-    monkeypatch.setattr(kbuild, "cpu_flags", lambda: avx512 | {DPBF16_CPU_FLAG})
     assert not prefill_dpbf16("avx512", amx=True)  # AMX wins where both exist
     assert not prefill_dpbf16("avx2", amx=False)
+    monkeypatch.setattr(kbuild, "cpu_vendor", lambda: "GenuineIntel")
+    assert not prefill_dpbf16("avx512", amx=False)  # one vdpbf16ps per cycle: not faster
+    monkeypatch.setenv(DPBF16_ENV, "1")
+    assert prefill_dpbf16("avx512", amx=False)  # asked for
+    monkeypatch.setattr(kbuild, "cpu_flags", lambda: avx512)
+    assert not prefill_dpbf16("avx512", amx=False)  # no instruction, whatever is asked
+    monkeypatch.setattr(kbuild, "cpu_flags", lambda: avx512 | {DPBF16_CPU_FLAG})
+    monkeypatch.setattr(kbuild, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setenv(DPBF16_ENV, "0")
     assert not prefill_dpbf16("avx512", amx=False)
+    monkeypatch.setenv(DPBF16_ENV, "maybe")
+    with pytest.raises(ValueError, match=DPBF16_ENV):
+        prefill_dpbf16("avx512", amx=False)
 
 
 def test_the_amx_path_needs_amx_flags_and_avx512(monkeypatch: pytest.MonkeyPatch) -> None:

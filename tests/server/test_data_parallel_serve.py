@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.distributed.kill_streams import HealthLog
 from tests.server.conftest import Server, start_server, stop_server, wait_for
-from tests.server.test_faults import HealthLog
 
 pytestmark = pytest.mark.slow  # a server of its own, with two worker processes
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from laneserve import LLM, SamplingParams
+from tests.distributed.kill_streams import HealthLog
 from tests.server.conftest import Server, start_server, stop_server, wait_for
 from tests.server.test_data_parallel_serve import PROMPTS, run_streams, worker_pids
-from tests.server.test_faults import HealthLog
 
 pytestmark = pytest.mark.slow  # a server of its own, with two worker processes
 

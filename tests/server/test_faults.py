@@ -6,7 +6,6 @@ server must serve the same greedy text afterwards."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -15,11 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.distributed.kill_streams import (
+    LONG,
+    PROMPT,
+    HealthLog,
+    kill_during_streams,
+    stream_events,
+)
 from tests.server.conftest import Server, start_server, stop_server, wait_for
-
-PROMPT = "The old lighthouse stood at the end"
-# prompt + max_tokens must fit max_model_len 256 (else a 400)
-LONG = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "n": 8, "ignore_eos": True}
 
 
 def _worker_pid(server: Server) -> int:
@@ -28,37 +30,6 @@ def _worker_pid(server: Server) -> int:
     children = [c for t in tasks for c in (t / "children").read_text().split()]
     assert len(children) == 1, children
     return int(children[0])
-
-
-class HealthLog:
-    """Records every /health status from a background poller."""
-
-    def __init__(self, server: Server) -> None:
-        self.url, self.seen, self.stop = f"{server.url}/health", [], threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                self.seen.append(httpx.get(self.url, timeout=30).status_code)
-            except httpx.HTTPError:
-                self.seen.append(0)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-
-
-def _stream_events(
-    server: Server, out: list[str], started: threading.Event, body: dict = LONG
-) -> None:
-    body = {**body, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                out.append(line.removeprefix("data: "))
-                started.set()
 
 
 def _errors_counted(server: Server) -> float:
@@ -80,33 +51,14 @@ def test_worker_killed_mid_stream(server: Server) -> None:
     errors_before = _errors_counted(server)
     restarts_before = server.metrics().get("laneserve:num_worker_restarts_total", 0)
     old_pid = _worker_pid(server)
-    events: list[list[str]] = [[], []]
-    started = [threading.Event(), threading.Event()]
-    threads = [
-        threading.Thread(target=_stream_events, args=(server, events[i], started[i]))
-        for i in range(2)
-    ]
     collected: list[httpx.Response] = []
-    threads.append(
-        threading.Thread(target=lambda: collected.append(server.post("/v1/completions", LONG)))
-    )
-    for t in threads:
-        t.start()
-    for ev in started:
-        assert ev.wait(120), "the streams did not start"
-    wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 3 * 8, "all running")
-    assert httpx.get(f"{server.url}/health").status_code == 200  # before the kill
-    health = HealthLog(server)
-    os.kill(old_pid, signal.SIGKILL)
-    for t in threads:
-        t.join(120)
-    # streams: an error event that says the worker died, then [DONE]
-    for ev in events:
-        assert ev[-1] == "[DONE]"
-        error = json.loads(ev[-2])["error"]
-        assert "worker" in error["message"] and "died" in error["message"], error
-        assert error["code"] >= 500
-        assert not any('"finish_reason": "length"' in e for e in ev)
+
+    def running_and_healthy() -> bool:  # 2 streams + 1 collected request, n = 8 each
+        running = server.metrics()["vllm:num_requests_running"] == 3 * 8
+        return running and httpx.get(f"{server.url}/health").status_code == 200
+
+    also = [lambda: collected.append(server.post("/v1/completions", LONG))]
+    health = kill_during_streams(server, old_pid, 2, ready=running_and_healthy, also=also)
     # non-streaming: a 5xx whose body says so
     assert collected[0].status_code >= 500
     assert "died" in collected[0].json()["error"]["message"]
@@ -133,7 +85,7 @@ def test_health_is_503_while_the_worker_makes_no_progress(tiny_models: dict[str,
     try:
         events: list[str] = []
         started = threading.Event()
-        stream = threading.Thread(target=_stream_events, args=(s, events, started))
+        stream = threading.Thread(target=stream_events, args=(s, events, started))
         stream.start()
         assert started.wait(120), "the stream did not start"
         pid = _worker_pid(s)
