@@ -18,11 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.distributed.kill_streams import HealthLog
 from tests.distributed.test_multinode import end, headless, node_rank_pid, node_rank_pids
 from tests.server.conftest import Server, free_port, start_server, stop_server, wait_for
 from tests.server.test_data_parallel_serve import labelled, per_engine, run_streams, worker_pids
 from tests.server.test_expert_parallel_serve import SPEC, deepseek, one_device
-from tests.server.test_faults import HealthLog
 
 __all__ = ["deepseek"]  # the module-scoped checkpoint fixture
 
