@@ -162,10 +162,12 @@ def test_avx512_variant_is_engaged_here(ck: CpuKernels, monkeypatch: pytest.Monk
         return op(*args)
 
     monkeypatch.setattr(kernels, "_scaled_linear", spy)
-    packed = kernels.pack_scaled_weight(make("fp4", 20, 64, 1))
-    kernels.linear(torch.randn(1, 64), packed)
-    kernels.linear(torch.randn(9, 64), packed, first_prefill=0)
-    assert seen == [2, 2] if lib.vbmi else [1, 1]  # the op's AVX-512 codes (VARIANTS)
+    for fmt in scaled.FORMATS:
+        packed = kernels.pack_scaled_weight(make(fmt, 20, 64, 1))
+        kernels.linear(torch.randn(1, 64), packed)  # a decode row
+        kernels.linear(torch.randn(9, 64), packed, first_prefill=0)  # prompt rows
+    code = 2 if lib.vbmi else 1  # the op's AVX-512 codes (VARIANTS)
+    assert seen == [code] * 4
     with pytest.raises(RuntimeError, match="unknown isa"):
         op(torch.randn(1, 64), packed.data, packed.scale, 20, 1, 32, None, 3)
 
