@@ -23,7 +23,7 @@ TORCH_LIBRARY(laneserve, m) {
       "Tensor");
   m.def(
       "scaled_linear(Tensor x, Tensor w, Tensor scale, int out_features, int fmt, int group, "
-      "Tensor? bias) -> Tensor");
+      "Tensor? bias, int isa=0) -> Tensor");
   m.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

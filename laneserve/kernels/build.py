@@ -49,6 +49,7 @@ SOURCES = tuple(
         "quant_linear_avx2.cpp",
         "quant_linear_q8.cpp",
         "scaled_linear.cpp",
+        "scaled_linear_avx512.cpp",
         "elementwise.cpp",
         "hyper.cpp",
         "attention.cpp",
@@ -69,6 +70,7 @@ HEADERS = tuple(
         "attention_tile.h",
         "linear_prefill.h",
         "quant_tiles.h",
+        "scaled_tiles.h",
     )
 )
 DISABLE_ENV = "LANESERVE_DISABLE_KERNELS"
@@ -85,6 +87,7 @@ DPBF16_ENV = "LANESERVE_KERNEL_DPBF16"  # "0" / "1": AVX-512 BF16 prompt-row pat
 DPBF16_FAST_VENDORS = frozenset({"AuthenticAMD"})
 DPBF16_CPU_FLAG = "avx512_bf16"
 VNNI_CPU_FLAG = "avx512_vnni"  # quant_linear_q8: GGUF weights with int8 activations
+VBMI_CPU_FLAG = "avx512vbmi"  # scaled_linear: fp8 decoded by byte permutes
 _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 
@@ -138,6 +141,7 @@ class KernelLib:
     dpbf16: bool = False  # ... or, without AMX, AVX-512 BF16 dot products (prefill_dpbf16)
     vnni: bool = False  # GGUF weights with int8 activations run natively (quant_linear_q8)
     bf16_dot: bool = False  # long prompt chunks: bf16 dot products (causal_attention.cpp)
+    vbmi: bool = False  # scaled_linear decodes fp8 with AVX-512 VBMI permutes (scaled_vbmi)
 
     def op(self, name: str) -> Any:
         return getattr(self.ops, name)
@@ -226,6 +230,12 @@ def q8_vnni(isa: str) -> bool:
     """True where ``quant_linear_q8`` can run: ``isa`` is "avx512" and the CPU has
     avx512_vnni (elsewhere such weights take TorchKernels' exact reference)."""
     return isa == "avx512" and VNNI_CPU_FLAG in (cpu_flags() or set())
+
+
+def scaled_vbmi(isa: str) -> bool:
+    """True where ``scaled_linear``'s AVX-512 variant decodes fp8 by VBMI byte permutes:
+    ``isa`` is "avx512" and the CPU has avx512vbmi (elsewhere through fp16; same bits)."""
+    return isa == "avx512" and VBMI_CPU_FLAG in (cpu_flags() or set())
 
 
 def bf16_dot(isa: str) -> bool:
@@ -473,6 +483,7 @@ def load_kernels() -> KernelLib | None:
         dpbf16=prefill_dpbf16(isa, amx),
         vnni=q8_vnni(isa),
         bf16_dot=bf16_dot(isa),
+        vbmi=scaled_vbmi(isa),
     )
 
 

@@ -35,13 +35,16 @@ _GGUF_LAYOUT = {
 }
 # ... with int8 activations (quant_linear_q8.cpp, AVX-512 VNNI)
 _GGUF_Q8_LAYOUT = {f"gguf-{name}-q8-vnni": code for name, code in quant.QTYPE_CODE.items()}
-# block-scaled fp8 / fp4 kept as stored (scaled_linear.cpp, AVX2): layout -> the op's fmt
+# block-scaled fp8 / fp4 kept as stored (scaled_linear.cpp; AVX-512 or AVX2 by isa, one
+# layout): layout -> the op's fmt
+_SCALED_ISA_VBMI = 2  # scaled_linear's isa: AVX-512 with fp8 decoded by VBMI permutes
 _SCALED_LAYOUT = {f"scaled-{name}-blocked16": code for code, name in enumerate(scaled.FORMATS)}
 
 
 class CpuKernels:
     """AVX2/FMA/F16C kernels from the C++ extension (CPU tensors, float32 activations);
-    ``linear`` has an AVX-512 variant, picked at load (``lib.isa``), with the same results.
+    ``linear`` and the quantized linears have AVX-512 variants, picked at load
+    (``lib.isa``; ``scaled_isa`` for block-scaled weights), with the same results.
 
     Weights (linear) and KV caches may be float32, bfloat16 or float16; all arithmetic is
     fp32. Batch invariant as base.py describes, except paged_attention
@@ -83,6 +86,8 @@ class CpuKernels:
         self.dpbf16 = lib.dpbf16  # ... or AVX-512 BF16 dot products (linear_dpbf16.cpp)
         self.vnni = lib.vnni  # GGUF weights with int8 activations natively (q8.py)
         self.bf16_dot = lib.bf16_dot  # long prompt chunks: causal_attention.cpp
+        # scaled_linear's variant: AVX2, AVX-512, or AVX-512 decoding fp8 by VBMI permutes
+        self.scaled_isa = _SCALED_ISA_VBMI if lib.vbmi and lib.isa == "avx512" else self._isa
         # linear_prefill's method: 0 AMX, 1 AVX-512 BF16; None: prompt rows as decode rows
         self._prefill_method = 0 if lib.amx else 1 if lib.dpbf16 else None
 
@@ -132,7 +137,9 @@ class CpuKernels:
             )
         if w.group is not None:  # block-scaled fp8 / fp4 (pack_scaled_weight)
             fmt = _SCALED_LAYOUT[w.layout]
-            return self._scaled_linear(x, w.data, w.scale, w.out_features, fmt, w.group, bias)
+            return self._scaled_linear(
+                x, w.data, w.scale, w.out_features, fmt, w.group, bias, self.scaled_isa
+            )
         if w.dtype is torch.uint8:  # GGUF blocks (pack_gguf_weight)
             native = _GGUF_LAYOUT.get(w.layout)
             if native is not None:

@@ -32,7 +32,7 @@ at::Tensor quant_linear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t 
 // scaled_linear.cpp
 at::Tensor scaled_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale,
                          int64_t n_out, int64_t fmt, int64_t group,
-                         const std::optional<at::Tensor>& bias_in);
+                         const std::optional<at::Tensor>& bias_in, int64_t isa);
 
 // causal_attention.cpp
 at::Tensor causal_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_in,

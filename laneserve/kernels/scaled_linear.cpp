@@ -1,7 +1,8 @@
 // scaled_linear: y = x @ W^T (+ bias) with W kept in a checkpoint's block-scaled bytes
 // (FP8 e4m3 with a scale per `group` columns of a row, or MXFP4: e2m1 pairs with a ue8m0
-// exponent per 32 columns; laneserve/kernels/scaled.py). AVX2 + FMA + F16C only: the
-// same code runs on AVX-512 / AMX machines (whose fp32 `linear` chain is the same too).
+// exponent per 32 columns; laneserve/kernels/scaled.py). This file holds the entry point
+// and the AVX2 + FMA + F16C variant; scaled_linear_avx512.cpp the AVX-512 one (the caller
+// picks by `isa`, as for linear and quant_linear). Both give the same bits (see below).
 //
 // Layout (scaled.py repack, a byte transpose of the stored rows): values [nblk, B, 16]
 // uint8, B = K (fp8) or ceil(K / 2) (fp4, byte j of a column holding k = 2j in its low
@@ -15,6 +16,7 @@
 // M, the row tile, or the thread split: parallel over output blocks only).
 
 #include "ops.h"
+#include "scaled_tiles.h"
 #include "vec.h"
 
 #include <cmath>
@@ -27,8 +29,6 @@
 namespace laneserve {
 namespace {
 
-constexpr int64_t kFmtFp8 = 0;
-constexpr int64_t kFmtFp4 = 1;
 constexpr int kTileRows = 4;  // rows per tile: 8 accumulators + decoded weights in 16 ymm
 // (more rows: each scale group is decoded once per column block into a buffer that every
 // row tile reads, scaled_block_buffered)
@@ -48,13 +48,6 @@ const Tables& tables() {
   static const Tables t = make_tables();
   return t;
 }
-
-struct ScaledArgs {
-  const float* x;     // [M, K]
-  const float* bias;  // [N] or nullptr
-  float* out;         // [M, N]
-  int64_t M, K, N, group, groups, row_bytes;
-};
 
 // 16 bytes -> two vectors of their 32-bit zero-extended values (columns 0-7, 8-15).
 inline void widen16(__m128i bytes, __m256i& lo, __m256i& hi) {
@@ -413,8 +406,9 @@ void scaled_driver(const ScaledArgs& a, const uint8_t* w, const void* s) {
 
 at::Tensor scaled_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale,
                          int64_t n_out, int64_t fmt, int64_t group,
-                         const std::optional<at::Tensor>& bias_in) {
+                         const std::optional<at::Tensor>& bias_in, int64_t isa) {
   TORCH_CHECK(fmt == kFmtFp8 || fmt == kFmtFp4, "scaled_linear: unknown format ", fmt);
+  TORCH_CHECK(isa >= 0 && isa <= 2, "scaled_linear: unknown isa ", isa);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
               "scaled_linear: x must be a 2-D float32 tensor");
   const at::Tensor x = x_in.contiguous();
@@ -444,6 +438,12 @@ at::Tensor scaled_linear(const at::Tensor& x_in, const at::Tensor& w, const at::
   const ScaledArgs a{x.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
                      out.data_ptr<float>(), M, K, n_out, group, groups, row_bytes};
   const uint8_t* wp = w.data_ptr<uint8_t>();
+  const void* sp = fp4 ? static_cast<const void*>(scale.data_ptr<uint8_t>())
+                       : static_cast<const void*>(scale.data_ptr<float>());
+  if (isa >= 1) {  // 1: AVX-512 F + BW (linear.cpp's kIsaAvx512); 2: and VBMI
+    scaled_linear_avx512(a, wp, sp, fp4, isa == 2);
+    return out;
+  }
   if (fp4)
     scaled_driver<true>(a, wp, scale.data_ptr<uint8_t>());
   else

@@ -1,15 +1,20 @@
 """Block-scaled FP8 / MXFP4 weights kept as stored (scaled.py, scaled_linear.cpp): the
-dequantizer equals the load-time one, the AVX2 kernel is bitwise the fp32 linear kernel
-on the dequantized weight (its FMA chain is the same) for shapes that do not divide the
-blocks, batch invariant; the torch reference agrees within fp32 summation-order noise."""
+dequantizer equals the load-time one, the kernel (AVX-512 variant where the CPU has it,
+and AVX2) is bitwise the fp32 linear kernel on the dequantized weight (its FMA chain is
+the same) for shapes that do not divide the blocks, batch invariant; the torch reference
+agrees within fp32 summation-order noise."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from laneserve.kernels import CpuKernels, TorchKernels, scaled
+from laneserve.kernels import CpuKernels, TorchKernels, load_kernels, scaled
+from laneserve.kernels import build as kbuild
 from laneserve.kernels.scaled import ScaledWeight
 from laneserve.model.layers import fp8
 
@@ -38,8 +43,46 @@ def make(fmt: str, n: int, k: int, seed: int) -> ScaledWeight:
     return random_fp8(n, k, block, seed)
 
 
-# (M, N, K): N and K off the 16 / 32 / 128 blocks, odd K for fp4's last half byte
-SHAPES = [(1, 7, 33), (3, 129, 200), (5, 40, 64), (6, 16, 257), (13, 150, 130), (2, 300, 1000)]
+# (M, N, K): N and K off the 16 / 32 / 128 blocks, odd K for fp4's last half byte; the
+# AVX-512 variant's tiles: 1-8 rows decoded in registers (15 and 13 column blocks: tiles of
+# 8 / 4 / 2 / 1), more rows through its decoded buffer (12-row tiles and a remainder, K
+# past its 128-k chunk, an odd block count)
+SHAPES = [
+    (1, 7, 33),
+    (3, 129, 200),
+    (5, 40, 64),
+    (6, 16, 257),
+    (13, 150, 130),
+    (2, 300, 1000),
+    (1, 240, 301),
+    (4, 200, 96),
+    (8, 90, 160),
+    (9, 33, 129),
+    (30, 70, 333),
+]
+
+
+VARIANTS = ["avx512-vbmi", "avx512", "avx2"]
+
+
+def kernels_for(ck: CpuKernels, name: str) -> CpuKernels:
+    """The kernels with scaled_linear's variant `name` (VARIANTS); skips where the CPU
+    lacks it."""
+    if name != "avx2" and ck.isa != "avx512":
+        pytest.skip("this CPU has no AVX-512")
+    if name == "avx512-vbmi" and not ck.lib.vbmi:
+        pytest.skip("this CPU has no AVX-512 VBMI")
+    isa = "avx2" if name == "avx2" else "avx512"
+    kernels = CpuKernels(dataclasses.replace(ck.lib, isa=isa, vbmi=name == "avx512-vbmi"))
+    assert kernels.scaled_isa == VARIANTS[::-1].index(name)  # the op's isa code
+    return kernels
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(ck: CpuKernels, request: pytest.FixtureRequest) -> CpuKernels:
+    """The native kernel in each variant the CPU has: AVX-512 decoding fp8 by VBMI
+    permutes, AVX-512 F + BW, AVX2."""
+    return kernels_for(ck, request.param)
 
 
 def test_dequantize_equals_the_load_time_dequantizers() -> None:
@@ -67,23 +110,69 @@ def test_fp4_nibble_order_and_values() -> None:
 @pytest.mark.parametrize("fmt", scaled.FORMATS)
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 def test_cpu_kernel_bitwise_the_fp32_kernel_on_dequantized(
-    ck: CpuKernels, fmt: str, m: int, n: int, k: int
+    ck: CpuKernels, variant: CpuKernels, fmt: str, m: int, n: int, k: int
 ) -> None:
     w = make(fmt, n, k, seed=m * 7 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     bias = torch.randn(n) if n % 2 else None
-    packed = ck.pack_scaled_weight(w)
+    packed = variant.pack_scaled_weight(w)
     assert packed.layout == f"scaled-{fmt}-blocked16" and packed.dtype == torch.uint8
-    got = ck.linear(x, packed, bias)
+    got = variant.linear(x, packed, bias)
     want = ck.linear(x, ck.pack_linear_weight(scaled.dequantize(w)), bias)
     assert torch.equal(got, want)
-    rows = [ck.linear(x[i : i + 1], packed, bias) for i in range(m)]  # batch invariant
+    rows = [variant.linear(x[i : i + 1], packed, bias) for i in range(m)]  # batch invariant
     assert torch.equal(torch.cat(rows), got)
     # the prompt-row argument takes the same path (no other numerics for these weights)
-    assert torch.equal(ck.linear(x, packed, bias, first_prefill=0), got)
+    assert torch.equal(variant.linear(x, packed, bias, first_prefill=0), got)
 
 
-def test_cpu_kernel_bitwise_at_extreme_scales(ck: CpuKernels) -> None:
+@pytest.mark.parametrize("fmt", scaled.FORMATS)
+@pytest.mark.parametrize("name", VARIANTS[:2])
+def test_avx512_variants_give_the_avx2_bits(ck: CpuKernels, fmt: str, name: str) -> None:
+    """An AVX-512 variant and the AVX2 one side by side on one packed weight, every row
+    count from 1 to 26 (both AVX-512 tilings), with and without bias, -0.0 included."""
+    fast, avx2 = kernels_for(ck, name), kernels_for(ck, "avx2")
+    w = make(fmt, 100, 291, seed=4)
+    packed = fast.pack_scaled_weight(w)
+    x = torch.randn(26, 291, generator=torch.Generator().manual_seed(2))
+    x[:, :4] = 0.0
+    for bias in (None, torch.randn(100)):
+        for m in range(1, 27):
+            got, want = fast.linear(x[:m], packed, bias), avx2.linear(x[:m], packed, bias)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (m, bias is None)
+
+
+def test_avx512_variant_is_engaged_here(ck: CpuKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU has AVX-512 F + BW (+ VBMI), the kernels as loaded pick the AVX-512
+    variant (decoding fp8 by VBMI permutes) and pass it to the op on every call; the op
+    refuses an unknown variant."""
+    flags = kbuild.cpu_flags() or set()
+    if not flags >= kbuild.AVX512_CPU_FLAGS:
+        pytest.skip("this CPU has no AVX-512")
+    monkeypatch.delenv(kbuild.ISA_ENV, raising=False)
+    lib = load_kernels()
+    assert lib is not None and lib.isa == "avx512"
+    assert lib.vbmi == (kbuild.VBMI_CPU_FLAG in flags)
+    kernels = CpuKernels(lib)
+    seen: list[Any] = []
+    op = kernels._scaled_linear
+
+    def spy(*args: Any) -> torch.Tensor:
+        seen.append(args[-1])
+        return op(*args)
+
+    monkeypatch.setattr(kernels, "_scaled_linear", spy)
+    for fmt in scaled.FORMATS:
+        packed = kernels.pack_scaled_weight(make(fmt, 20, 64, 1))
+        kernels.linear(torch.randn(1, 64), packed)  # a decode row
+        kernels.linear(torch.randn(9, 64), packed, first_prefill=0)  # prompt rows
+    code = 2 if lib.vbmi else 1  # the op's AVX-512 codes (VARIANTS)
+    assert seen == [code] * 4
+    with pytest.raises(RuntimeError, match="unknown isa"):
+        op(torch.randn(1, 64), packed.data, packed.scale, 20, 1, 32, None, 3)
+
+
+def test_cpu_kernel_bitwise_at_extreme_scales(ck: CpuKernels, variant: CpuKernels) -> None:
     """Scales at the ends of their ranges: ue8m0 bytes 0 (2^-127, subnormal) to 200, and
     fp8 block scales past 2^119 (where the kernel cannot fold its 2^8 into the scale) or
     subnormal, beside ordinary ones: still bitwise the fp32 kernel on the dequantized
@@ -100,9 +189,10 @@ def test_cpu_kernel_bitwise_at_extreme_scales(ck: CpuKernels) -> None:
     small |= torch.randint(0, 2, (n, k), generator=g, dtype=torch.uint8) << 7
     grid = torch.tensor([[2.0**125, 0.75], [2.0**-140, 3.0], [1e-3, 2.0**121]])
     fp8w = scaled.from_fp8_blocks(small.view(torch.float8_e4m3fn), grid, (16, 64))
-    for w in (fp4, fp8w):
-        got = ck.linear(x, ck.pack_scaled_weight(w))
-        want = ck.linear(x, ck.pack_linear_weight(scaled.dequantize(w)))
+    for w, rows in ((fp4, 3), (fp8w, 3), (fp4, 11), (fp8w, 11)):  # both AVX-512 tilings
+        xs = x.repeat(4, 1)[:rows]
+        got = variant.linear(xs, variant.pack_scaled_weight(w))
+        want = ck.linear(xs, ck.pack_linear_weight(scaled.dequantize(w)))
         assert torch.isfinite(got).all()
         assert torch.equal(got, want)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0 too
@@ -191,11 +281,20 @@ def test_non_finite_values_are_found() -> None:
     assert not scaled.check_finite(ScaledWeight(f.data, s, "fp4", 16, 32))
 
 
-def test_cpu_kernel_nan_bytes_give_nan(ck: CpuKernels) -> None:
-    """A NaN e4m3 byte (0x7f / 0xff; refused at load) still reads as NaN, as dequantized."""
+def test_cpu_kernel_nan_bytes_give_nan(variant: CpuKernels) -> None:
+    """A NaN e4m3 byte (0x7f / 0xff; refused at load) or ue8m0 scale byte (0xff) still
+    reads as NaN, as dequantized."""
     w = make("fp8", 16, 32, 1)
     bad = w.data.clone()
     bad[3, 5], bad[9, 0] = 0x7F, 0xFF
-    packed = ck.pack_scaled_weight(ScaledWeight(bad, w.scale, "fp8", 32, w.group))
-    out = ck.linear(torch.ones(1, 32), packed)
-    assert torch.isnan(out[0]).nonzero().flatten().tolist() == [3, 9]
+    packed = variant.pack_scaled_weight(ScaledWeight(bad, w.scale, "fp8", 32, w.group))
+    for rows in (1, 10):
+        out = variant.linear(torch.ones(rows, 32), packed)
+        assert torch.isnan(out[-1]).nonzero().flatten().tolist() == [3, 9]
+    f = make("fp4", 16, 64, 1)
+    s = f.scale.clone()
+    s[7, 1] = 0xFF
+    packed = variant.pack_scaled_weight(ScaledWeight(f.data, s, "fp4", 64, 32))
+    for rows in (1, 10):
+        out = variant.linear(torch.ones(rows, 64), packed)
+        assert torch.isnan(out[-1]).nonzero().flatten().tolist() == [7]
