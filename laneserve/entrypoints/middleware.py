@@ -6,11 +6,18 @@ server's own `receive` channel: a client that leaves shows up there as
 limit counts the bytes actually read, so a chunked body without
 Content-Length cannot slip past it; a body within the limit is buffered and
 handed on unchanged.
+
+A refused request's body is read and dropped (up to `DRAIN_BYTES`, for at most
+`DRAIN_S`) before the refusal goes out: the server closes the connection after it, and
+closing a socket with unread bytes resets it, which can destroy the refusal on its way
+to a client that is still sending (an oversized upload would see "connection reset"
+instead of the 413).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -23,6 +30,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 BODY_TIMEOUT_S = 30.0  # from complete headers to the whole body: else a 408
+DRAIN_BYTES = 64 * 2**20  # a refused request's body read (and dropped) before the reply
+DRAIN_S = 5.0  # ... for at most this long
 
 
 class GuardMiddleware:
@@ -49,10 +58,12 @@ class GuardMiddleware:
             return
         headers = dict(scope.get("headers") or ())
         if not self._authorized(scope, headers):
+            await drain(receive)
             await _error(send, 401, "invalid or missing API key", "AuthenticationError")
             return
         size = headers.get(b"content-length", b"")
         if size.isdigit() and int(size) > self.max_bytes:
+            await drain(receive)
             await self._too_large(send, f"{int(size)} bytes")
             return
         try:
@@ -63,6 +74,7 @@ class GuardMiddleware:
             await _error(send, 408, msg, "RequestTimeoutError")
             return
         if body is None:
+            await drain(receive)
             await self._too_large(send, f"more than {self.max_bytes} bytes")
             return
         await self.app(scope, _replay(body, receive), send)
@@ -93,6 +105,22 @@ class GuardMiddleware:
     async def _too_large(self, send: Send, what: str) -> None:
         msg = f"the request body ({what}) exceeds the limit of {self.max_bytes} bytes"
         await _error(send, 413, msg, "RequestTooLargeError")
+
+
+async def drain(receive: Receive, max_bytes: int = DRAIN_BYTES, timeout_s: float = DRAIN_S) -> int:
+    """Read and drop the rest of a request's body, up to `max_bytes` or `timeout_s`
+    (whichever comes first); the bytes read."""
+    total = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            while total <= max_bytes:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break  # the client left
+                total += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+    return total
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:
