@@ -11,12 +11,12 @@ of 0 tells the ranks to stop.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from laneserve.distributed.heartbeat import Heartbeat
 
 HEARTBEAT_S = 1.0
 _BEAT = -1
@@ -27,18 +27,22 @@ class CommandBroadcast:
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
-        self._lock = threading.Lock()  # one broadcast at a time on rank 0
-        self._last = time.monotonic()
-        self._stopped = threading.Event()
+        self._heartbeat = Heartbeat(
+            lambda: self._broadcast_length(_BEAT),
+            HEARTBEAT_S,
+            HEARTBEAT_S / 2,
+            (RuntimeError,),  # gloo: a peer's connection closed
+            "rank-heartbeat",
+        )
 
     def send(self, data: bytes) -> None:
         """Rank 0: one command to every rank (b"" stops them). Raises when a rank is gone."""
-        with self._lock:
+        with self._heartbeat.lock:  # one broadcast at a time on rank 0
             self._broadcast_length(len(data))
             if data:
                 payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 dist.broadcast(payload, 0, group=self.group)
-            self._last = time.monotonic()
+            self._heartbeat.sent_now()
 
     def recv(self) -> bytes:
         """Ranks 1..N-1: the next command (heartbeats skipped); b"" means stop."""
@@ -55,27 +59,11 @@ class CommandBroadcast:
             return payload.numpy().tobytes()
 
     def start_heartbeat(self, on_failure: Callable[[BaseException], None]) -> None:
-        """Rank 0: a daemon thread that beats whenever no command went out for a while."""
-        threading.Thread(
-            target=self._beat, args=(on_failure,), name="rank-heartbeat", daemon=True
-        ).start()
+        """Rank 0: beat whenever no command went out for `HEARTBEAT_S`."""
+        self._heartbeat.start(on_failure)
 
     def stop_heartbeat(self) -> None:
-        self._stopped.set()
-
-    def _beat(self, on_failure: Callable[[BaseException], None]) -> None:
-        while not self._stopped.wait(HEARTBEAT_S / 2):
-            if time.monotonic() - self._last < HEARTBEAT_S:
-                continue
-            try:
-                with self._lock:
-                    if self._stopped.is_set():
-                        return
-                    self._broadcast_length(_BEAT)
-                    self._last = time.monotonic()
-            except RuntimeError as e:  # gloo: a peer's connection closed
-                on_failure(e)
-                return
+        self._heartbeat.stop()
 
     def _broadcast_length(self, n: int) -> None:
         dist.broadcast(torch.tensor([n], dtype=torch.int64), 0, group=self.group)

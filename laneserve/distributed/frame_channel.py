@@ -27,13 +27,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import cast
 
 import torch
 import torch.distributed as dist
+
+from laneserve.distributed.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +60,14 @@ class FrameChannel:
         self.group = group
         self.peer = 1 - group.rank()
         self.timeout = timedelta(seconds=TIMEOUT_S if timeout_s is None else timeout_s)
-        self._lock = threading.Lock()  # one frame at a time goes out
-        self._last = time.monotonic()
-        self._stopped = threading.Event()
-        self.beats_sent = self.beats_seen = 0
+        self._heartbeat = Heartbeat(
+            lambda: self._send_length(_BEAT),
+            HEARTBEAT_S,
+            HEARTBEAT_S / 4,
+            (OSError,),
+            "frame-heartbeat",
+        )
+        self.beats_seen = 0
         # a gloo send completes once the peer has posted its receive, so a receive is
         # always posted here (a reader thread), whatever this side is busy with
         self._frames: queue.SimpleQueue[bytes | EOFError] = queue.SimpleQueue()
@@ -70,12 +75,16 @@ class FrameChannel:
 
     def send_bytes(self, data: bytes) -> None:
         """One frame (b"": the empty frame). OSError when the peer is gone."""
-        with self._lock:
+        with self._heartbeat.lock:
             self._send_length(len(data))
             if data:
                 payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 self._transfer(payload, send=True)
-            self._last = time.monotonic()
+            self._heartbeat.sent_now()
+
+    @property
+    def beats_sent(self) -> int:
+        return self._heartbeat.sent
 
     def recv_bytes(self) -> bytes:
         """The next frame (heartbeats skipped). EOFError when the peer is gone or silent."""
@@ -107,29 +116,11 @@ class FrameChannel:
             return payload.numpy().tobytes()
 
     def start_heartbeat(self, on_failure: Callable[[BaseException], None]) -> None:
-        """A daemon thread that beats whenever no frame went out for `HEARTBEAT_S`."""
-        threading.Thread(
-            target=self._beat, args=(on_failure,), name="frame-heartbeat", daemon=True
-        ).start()
+        """Beat whenever no frame went out for `HEARTBEAT_S`; `on_failure` when one fails."""
+        self._heartbeat.start(on_failure)
 
     def stop_heartbeat(self) -> None:
-        self._stopped.set()
-
-    def _beat(self, on_failure: Callable[[BaseException], None]) -> None:
-        while not self._stopped.wait(HEARTBEAT_S / 4):
-            if time.monotonic() - self._last < HEARTBEAT_S:
-                continue
-            try:
-                with self._lock:
-                    if self._stopped.is_set():
-                        return
-                    self._send_length(_BEAT)
-                    self._last = time.monotonic()
-                    self.beats_sent += 1
-            except OSError as e:
-                if not self._stopped.is_set():
-                    on_failure(e)
-                return
+        self._heartbeat.stop()
 
     def _send_length(self, n: int) -> None:
         length = torch.tensor([n], dtype=torch.int64)
