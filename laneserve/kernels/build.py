@@ -82,8 +82,8 @@ ISAS = ("avx2", "avx512")
 AMX_ENV = "LANESERVE_KERNEL_AMX"  # "0": prefill rows use the decode kernel even with AMX
 AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 DPBF16_ENV = "LANESERVE_KERNEL_DPBF16"  # "0" / "1": AVX-512 BF16 prompt-row path off / on
-# vdpbf16ps issues twice per cycle on these vendors' cores and only once on Intel's (no
-# faster than the fp32 FMA chain there): measured in docs/kernels.md
+# where the vdpbf16ps path measured faster than the fp32 chain (AMD Zen 4: 1.5-1.9x from
+# M = 128); on an Intel Xeon without AMX it measured 0.54-0.67x (docs/kernels.md)
 DPBF16_FAST_VENDORS = frozenset({"AuthenticAMD"})
 DPBF16_CPU_FLAG = "avx512_bf16"
 VNNI_CPU_FLAG = "avx512_vnni"  # quant_linear_q8: GGUF weights with int8 activations
