@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -261,14 +262,28 @@ def test_two_nodes_serve_and_a_killed_node_rank_is_a_worker_death(
         end(node1)
 
 
-@pytest.mark.slow  # two launches
-def test_a_node_with_other_flags_is_refused(tiny_models: dict[str, Path]) -> None:
-    model, port = tiny_models["llama"], free_port()
-    node1 = headless(model, port, "--block-size", "8")
+def refused_on_both_sides(
+    model: Path,
+    head: Callable[[Path, int], Server],
+    sizes: tuple[str, ...],
+    head_says: str,
+    node_says: str,
+) -> None:
+    """Node 1 started with another `--block-size`: node 0 (`head(model, port)`) fails to
+    start saying `head_says`, node 1 exits 2 saying `node_says`."""
+    port = free_port()
+    node1 = headless(model, port, "--block-size", "8", sizes=sizes)
     try:
-        with pytest.raises(RuntimeError, match="other flags than rank 0"):
-            _head(model, port)
+        with pytest.raises(RuntimeError, match=head_says):
+            head(model, port)
         assert node1.wait(120) == 2
-        assert "other flags" in (node1.stdout.read() if node1.stdout else "")
+        assert node_says in (node1.stdout.read() if node1.stdout else "")
     finally:
         end(node1)
+
+
+@pytest.mark.slow  # two launches
+def test_a_node_with_other_flags_is_refused(tiny_models: dict[str, Path]) -> None:
+    refused_on_both_sides(
+        tiny_models["llama"], _head, TP2, "other flags than rank 0", "other flags"
+    )

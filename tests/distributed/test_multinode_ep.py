@@ -19,7 +19,13 @@ import httpx
 import pytest
 
 from tests.distributed.kill_streams import HealthLog
-from tests.distributed.test_multinode import end, headless, node_rank_pid, node_rank_pids
+from tests.distributed.test_multinode import (
+    end,
+    headless,
+    node_rank_pid,
+    node_rank_pids,
+    refused_on_both_sides,
+)
 from tests.server.conftest import Server, free_port, start_server, stop_server, wait_for
 from tests.server.test_data_parallel_serve import labelled, per_engine, run_streams, worker_pids
 from tests.server.test_expert_parallel_serve import SPEC, deepseek, one_device
@@ -105,15 +111,8 @@ def test_two_nodes_serve_one_devices_text_and_restart_after_a_death(deepseek: Pa
 
 
 def test_a_node_with_other_flags_is_refused(deepseek: Path) -> None:
-    port = free_port()
-    node1 = headless(deepseek, port, "--block-size", "8", sizes=DP2)
-    try:
-        with pytest.raises(RuntimeError, match="other flags than node 0"):
-            _head(deepseek, port)
-        assert node1.wait(120) == 2
-        assert "other flags than node 0" in (node1.stdout.read() if node1.stdout else "")
-    finally:
-        end(node1)
+    says = "other flags than node 0"
+    refused_on_both_sides(deepseek, _head, DP2, says, says)
 
 
 def test_four_ranks_over_two_nodes_run_two_workers_each(deepseek: Path) -> None:
