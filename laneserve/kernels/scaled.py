@@ -184,6 +184,16 @@ def check_finite(w: ScaledWeight) -> bool:
     return not bool((w.scale == 0xFF).any())
 
 
+def row_slice(w: ScaledWeight, start: int, stop: int) -> ScaledWeight:
+    """Rows [start, stop) of ``w``: a weight of the same K, format and group. Any row
+    range is one, since the scales are kept per row (views, no copy). Raises ValueError
+    for an empty or out-of-range slice."""
+    n = w.shape[0]
+    if not 0 <= start < stop <= n:
+        raise ValueError(f"rows [{start}, {stop}) are not a non-empty slice of {n} rows")
+    return ScaledWeight(w.data[start:stop], w.scale[start:stop], w.fmt, w.in_features, w.group)
+
+
 def cat_rows(parts: list[ScaledWeight]) -> ScaledWeight | None:
     """Concatenate along N when every part has one format, K and group (else None)."""
     first = parts[0]

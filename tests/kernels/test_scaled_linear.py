@@ -260,6 +260,24 @@ def test_cat_rows_and_bad_shapes() -> None:
         scaled.from_fp4_packed(a.data, a.scale.float(), 64)
 
 
+@pytest.mark.parametrize("fmt", scaled.FORMATS)
+def test_row_slice_is_the_weight_of_its_rows(ck: CpuKernels, fmt: str) -> None:
+    """Rows [40, 170) cut through 128 x 128 blocks (fp8) and 16-row kernel blocks: the
+    slice is the weight of those rows, and its product the whole product's columns."""
+    w = make(fmt, 200, 130, seed=1)
+    part = scaled.row_slice(w, 40, 170)
+    assert part.shape == (130, 130) and part.fmt == fmt and part.group == w.group
+    same_storage = part.data.untyped_storage().data_ptr() == w.data.untyped_storage().data_ptr()
+    assert same_storage  # a view: no copy until packed
+    assert torch.equal(scaled.dequantize(part), scaled.dequantize(w)[40:170])
+    x = torch.randn(3, 130, generator=torch.Generator().manual_seed(2))
+    whole = ck.linear(x, ck.pack_scaled_weight(w))
+    assert torch.equal(ck.linear(x, ck.pack_scaled_weight(part)), whole[:, 40:170])
+    for start, stop in ((5, 5), (-1, 3), (190, 201), (10, 4)):
+        with pytest.raises(ValueError, match="not a non-empty slice of 200 rows"):
+            scaled.row_slice(w, start, stop)
+
+
 def test_cpu_op_rejects_mismatched_inputs(ck: CpuKernels) -> None:
     packed = ck.pack_scaled_weight(make("fp8", 20, 64, 1))
     with pytest.raises(RuntimeError, match="uint8"):

@@ -76,6 +76,7 @@ def test_v3_mtp_k2_resident_equals_plain(v3_mtp: tuple[Path, Path]) -> None:
 def test_v4_mtp_head_is_resident(release: tuple[Path, Path]) -> None:
     _, head = _loaded(release[0], load_deepseek_v4_mtp)
     assert head.e_proj.weight.layout == FP8 and head.h_proj.weight.layout == FP8
+    assert {p.weight.layout for p in head.layer.attn.wo_a.parts} == {FP8}
     layouts = {e.w2.weight.layout for e in head.layer.ffn.experts}
     assert layouts == {FP4}
 
@@ -137,6 +138,7 @@ def test_v3_non_finite_scale_is_refused(v3_mtp: tuple[Path, Path], tmp_path: Pat
     [
         ("layers.1.ffn.experts.2.w1.scale", "cols"),  # fp4: one ue8m0 byte per 32 columns
         ("layers.0.attn.wq_a.scale", "rows"),  # fp8: one ue8m0 per 128 x 128 block
+        ("layers.2.attn.wo_a.scale", "rows"),  # fp8, the grouped output projection
     ],
 )
 def test_v4_wrong_scale_shape_is_refused(
@@ -148,6 +150,15 @@ def test_v4_wrong_scale_shape_is_refused(
     weight = name.removesuffix(".scale") + ".weight"
     _refused(bad, weight, "scale")
     _refused(bad, weight, "scale", mode="dequantized")
+
+
+def test_v4_wo_a_of_the_wrong_shape_is_refused(release: tuple[Path, Path], tmp_path: Path):
+    """A wo_a with a group's rows missing: named, with the shape config.json fixes."""
+    name = "layers.1.attn.wo_a.weight"
+    weight = load_file(str(_shard_of(release[0], name)))[name]
+    bad = _copy_with(release[0], tmp_path / "bad", name, weight[16:].contiguous())
+    _refused(bad, name, r"shape \(16, 64\), expected \(32, 64\)")
+    _refused(bad, name, r"shape \(16, 64\), expected \(32, 64\)", mode="dequantized")
 
 
 def _shard_of(model: Path, name: str) -> Path:

@@ -6,6 +6,7 @@ the resident bytes within 10 % of the checkpoint's."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from laneserve.model.footprint import checkpoint_bytes, resident_bytes
 from laneserve.model.loader import Checkpoint, resolve_checkpoint
 from laneserve.model.registry import family_for, open_weights
 from tests.e2e.test_tiny_models import mixed_prompts, run
-from tests.models.release_deepseek_v4 import build_release_v4
+from tests.models.release_deepseek_v4 import HEAD_DIM, HEADS, O_GROUPS, O_LORA, build_release_v4
 from tests.models.test_deepseek_v4 import GREEDY, prompts_of
 from tests.models.test_fp8_loader import _fp8_copy
 
@@ -115,6 +116,65 @@ def test_v4_release_resident_equals_dequantized(release: tuple[Path, Path]) -> N
     kw: dict[str, Any] = {"quantized_weights": "dequantized", "max_model_len": 512}
     with LLM(str(release[0]), dtype="float32", **kw) as llm:
         assert run(llm, prompts, GREEDY) == resident
+
+
+def test_v4_wo_a_is_resident_as_its_groups(release: tuple[Path, Path], ck: CpuKernels) -> None:
+    """wo_a [G R, H D / G] stays in its stored fp8 bytes as G scaled linears over its row
+    slices (every layer and the MTP layer); the grouped product is bitwise the fp32 linear
+    on each dequantized slice and close to the dense path's einsum."""
+    from laneserve.kernels import scaled
+    from laneserve.model.deepseek_v4.grouped import GroupedLinear
+    from laneserve.model.deepseek_v4.mtp import load_deepseek_v4_mtp
+
+    ckpt = resolve_checkpoint(str(release[0]), "float32", CPU)
+    model, store = _model(ckpt, ck)
+    mtp = load_deepseek_v4_mtp(store, model, ck, None, None)
+    g, r, k = O_GROUPS, O_LORA, HEADS * HEAD_DIM // O_GROUPS
+    for attn in [layer.attn for layer in model.layers] + [mtp.layer.attn]:
+        assert attn.wo_a.dense is None and attn.wo_a.shape == (g, r, k)
+        assert [p.weight.layout for p in attn.wo_a.parts] == ["scaled-fp8-blocked16"] * g
+    w = store.quantized_linear("layers.1.attn.wo_a.weight")
+    assert w is not None and w.shape == (g * r, k)
+    spy = SpyKernels(ck)
+    grouped = GroupedLinear(spy, w, g)  # type: ignore[arg-type]
+    x = torch.randn(3, g, k, generator=torch.Generator().manual_seed(4))
+    got = grouped(x, 0)
+    assert [id(u) for u in spy.used] == [id(p.weight) for p in grouped.parts]
+    dense = scaled.dequantize(w)
+    slices = [ck.pack_linear_weight(dense[i * r : (i + 1) * r]) for i in range(g)]
+    want = torch.cat([ck.linear(x[:, i].contiguous(), slices[i]) for i in range(g)], 1)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, GroupedLinear(ck, dense, g)(x), rtol=1e-5, atol=1e-6)
+    assert torch.equal(grouped(x[1:2]), got[1:2])  # one token: the same bits
+    with pytest.raises(ValueError, match="does not split into 3 groups"):
+        GroupedLinear(ck, w, 3)
+    deq = resolve_checkpoint(str(release[0]), "float32", CPU, quantized_weights="dequantized")
+    dense_attn = _model(deq, ck)[0].layers[1].attn
+    assert dense_attn.wo_a.parts == [] and dense_attn.wo_a.dense is not None
+    assert torch.equal(dense_attn.wo_a.dense.reshape(g * r, k), dense)
+
+
+def test_v4_wo_a_holds_its_stored_bytes(release: tuple[Path, Path], ck: CpuKernels) -> None:
+    """Resident, wo_a holds its checkpoint's fp8 value bytes, plus its block scales kept
+    per row in fp32 (as every resident fp8 weight: 4 bytes per row per 128 columns);
+    dequantized in bf16 it holds 2 bytes a value."""
+    from safetensors import safe_open
+
+    out, name = release[0], "layers.1.attn.wo_a"
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    stored = {}
+    for suffix in ("weight", "scale"):
+        with safe_open(str(out / index[f"{name}.{suffix}"]), "pt") as f:
+            t = f.get_tensor(f"{name}.{suffix}")
+        stored[suffix] = t.numel() * t.element_size()
+    n, k = O_GROUPS * O_LORA, HEADS * HEAD_DIM // O_GROUPS
+    assert stored == {"weight": n * k, "scale": 1}  # e4m3 values, one ue8m0 128 x 128 block
+    held = {}
+    for mode in ("resident", "dequantized"):
+        ckpt = resolve_checkpoint(str(out), "bfloat16", CPU, quantized_weights=mode)
+        held[mode] = resident_bytes(_model(ckpt, ck)[0].layers[1].attn.wo_a)
+    assert held["resident"] == stored["weight"] + n * -(-k // 128) * 4, held
+    assert held["dequantized"] == 2 * n * k, held
 
 
 class SpyKernels:

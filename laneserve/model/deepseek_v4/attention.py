@@ -43,10 +43,11 @@ from laneserve.model.deepseek_v4.compressor import (
     gather_entries,
 )
 from laneserve.model.deepseek_v4.config import SLIDING, DeepseekV4Params
+from laneserve.model.deepseek_v4.grouped import GroupedLinear
 from laneserve.model.deepseek_v4.ops import InterleavedRope, Norm, rms_unweighted
 from laneserve.model.deepseek_v4.parallel import GROUPS, HEADS, cols, rows
 from laneserve.model.layers.attention import TokenTableMetadata
-from laneserve.model.layers.linear import Linear, linear_weight
+from laneserve.model.layers.linear import Linear, LinearWeight, linear_weight
 from laneserve.model.layers.parallel import RowParallelLinear
 from laneserve.model.layers.weights import WeightGetter
 
@@ -75,22 +76,25 @@ class V4Attention:
             return Linear(kernels, linear_weight(get, f"{prefix}.{name}.weight"), None)
 
         self.wq_a, self.wkv = lin("wq_a"), lin("wkv")
+        wo_a_name = f"{prefix}.wo_a.weight"  # [G R, H D / G]
         if tp.size == 1:  # the checkpoint's fp8 kept as stored where the getter keeps it
             self.wq_b = lin("wq_b")
+            wo_a: LinearWeight = linear_weight(get, wo_a_name)
             self.wo_b: Linear | RowParallelLinear = lin("wo_b")
         else:
             wq_b = rows(get, f"{prefix}.wq_b.weight", num_heads, d, HEADS, tp)
             self.wq_b = Linear(kernels, wq_b, None)
+            wo_a = rows(get, wo_a_name, p.o_groups, r, GROUPS, tp)
             wo_b = cols(get, f"{prefix}.wo_b.weight", p.o_groups, r, GROUPS, tp)
             self.wo_b = RowParallelLinear(Linear(kernels, wo_b, None), tp)
+        self.wo_a = GroupedLinear(kernels, wo_a, self.groups)  # deepseek_v4/grouped.py
         self.q_norm = Norm(get(f"{prefix}.q_norm.weight", torch.float32), eps)
         # released: `attn.kv_norm`; transformers' save_pretrained writes `attn.norm`
         kv_norm = "norm" if prefix.startswith("model.") else "kv_norm"
         self.kv_norm = Norm(get(f"{prefix}.{kv_norm}.weight", torch.float32), eps)
-        wo_a = rows(get, f"{prefix}.wo_a.weight", p.o_groups, r, GROUPS, tp)  # [G R, H D / G]
-        self.wo_a = wo_a.view(self.groups, r, -1)  # [G, R, H * D / G]
         self.sinks = rows(get, f"{prefix}.attn_sink", num_heads, 1, HEADS, tp, torch.float32)
         assert self.sinks.shape == (self.heads,) and self.wq_b.out_features == self.heads * d
+        assert self.wo_a.shape[:2] == (self.groups, r)
         self.scale = d**-0.5
         self.compressor = None
         if layer_type != SLIDING:
@@ -124,12 +128,7 @@ class V4Attention:
         ]
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, D]
         o = self.rope(o, positions, inverse=True)
-        grouped = o.reshape(t, self.groups, -1)
-        y = (
-            torch.einsum("tgi,gri->tgr", grouped.to(self.wo_a.dtype), self.wo_a)
-            .reshape(t, -1)
-            .to(x.dtype)
-        )
+        y = self.wo_a(o.reshape(t, self.groups, -1), fp)  # [T, G R]
         return self.wo_b(y, fp)
 
     def _tokens(

@@ -299,6 +299,10 @@ def weight_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{a}.wq_a.weight"] = (p.q_lora_rank, h)
             shapes[f"{a}.wkv.weight"] = (p.head_dim, h)
             shapes[f"{a}.wq_b.weight"] = (arch.num_heads * p.head_dim, p.q_lora_rank)
+            shapes[f"{a}.wo_a.weight"] = (
+                p.o_groups * p.o_lora_rank,
+                arch.num_heads * p.head_dim // p.o_groups,
+            )
             shapes[f"{a}.wo_b.weight"] = (h, p.o_groups * p.o_lora_rank)
             shapes[f"{root}layers.{i}.ffn.gate.weight"] = (p.n_routed_experts, h)
     return shapes
