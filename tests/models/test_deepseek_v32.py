@@ -298,10 +298,10 @@ def test_release_config_is_read() -> None:
 
 
 @pytest.mark.slow
-def test_mtp_speculation_is_refused(v32: Path) -> None:
-    with pytest.raises(
-        Exception, match=r"MTP speculative decoding is not built for DeepSeek V3\.2"
-    ):
+def test_mtp_without_the_mtp_layer_is_refused(v32: Path) -> None:
+    """MTP speculation runs the checkpoint's own MTP layer (`test_deepseek_v32_mtp.py`);
+    this checkpoint has none (num_nextn_predict_layers 0, no `model.layers.3.*`)."""
+    with pytest.raises(Exception, match=r"carries no MTP layer \(model\.layers\.3\.eh_proj"):
         LLM(
             str(v32),
             dtype="float32",
