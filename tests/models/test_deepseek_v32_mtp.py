@@ -6,8 +6,8 @@ Its logits equal the independent reference's MTP layer (`dsv32_reference.py`) ov
 prompt chunk and a decode step, where the top-k selection drops keys; speculative greedy
 (k = 1 and 2, async scheduling, concurrent requests with prompts longer than
 `index_topk`) equals plain greedy token for token, with drafts proposed and, from an MTP
-layer that copies the target's, mostly accepted; the MTP layer's own indexer cuts its
-queries' keys; a separate or quantized draft head and token trees are refused (a
+layer that copies the target's, mostly accepted (also over chunked prompts, prefix-cache
+hits and preemption); the MTP layer's own indexer cuts its queries' keys; a separate or quantized draft head and token trees are refused (a
 checkpoint without the layer: `test_deepseek_v32.py`)."""
 
 from __future__ import annotations
@@ -170,12 +170,20 @@ def test_mtp_logits_equal_the_reference(with_mtp: Path, mtp_cuts: dict[str, int]
     assert mtp_cuts["queries_cut"] >= n - 1 - TOPK, "the MTP indexer dropped no key"
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_speculative_greedy_equals_plain(with_mtp: Path, k: int, mtp_cuts: dict[str, int]) -> None:
-    """Four concurrent requests (async scheduling, the default): the random MTP layer's
-    drafts are proposed and verified; the tokens are plain greedy's."""
+@pytest.mark.parametrize(
+    ("k", "async_scheduling", "ngram_first"),
+    [(1, True, False), (2, True, False), (2, False, False), (2, True, True)],
+)
+def test_speculative_greedy_equals_plain(
+    with_mtp: Path, k: int, async_scheduling: bool, ngram_first: bool, mtp_cuts: dict[str, int]
+) -> None:
+    """Four concurrent requests (async scheduling, the default, and sync; with prompt
+    lookups first): the random MTP layer's drafts are proposed and verified; the tokens
+    are plain greedy's."""
     prompts = _prompts(seed=11)
-    with LLM(str(with_mtp), dtype="float32", **_spec(k)) as llm:
+    spec = {"method": "mtp", "num_speculative_tokens": k, "ngram_first": ngram_first}
+    kw = {"dtype": "float32", "async_scheduling": async_scheduling}
+    with LLM(str(with_mtp), speculative_config=spec, **kw) as llm:
         got = run(llm, [list(p) for p in prompts], _greedy())
         stats = llm.get_stats()
     assert stats["spec_num_drafts"] > 0
@@ -205,3 +213,31 @@ def test_separate_or_quantized_head_and_token_trees_are_refused(with_mtp: Path) 
     tree = {"method": "mtp", "speculative_token_tree": "[(0,), (1,), (2,)]"}
     with pytest.raises(ValueError, match="DeepseekV32ForCausalLM does not support token trees"):
         LLM(str(with_mtp), dtype="float32", speculative_config=tree)
+
+
+def test_chunked_prefill_prefix_hits_and_preemption_keep_the_drafts(copying: Path) -> None:
+    """Prompt chunks of 8 over blocks of 4 (the MTP layer's sparse prompt rows select
+    through its groups' tables, context included), a second pass from the prefix cache
+    (all four groups' blocks), and a pool small enough to preempt: plain greedy's tokens,
+    and the copying layer's drafts still mostly accepted (its caches hold the right
+    entries)."""
+    prompts = _prompts(seed=13)
+    kw: dict = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 8}
+    with LLM(str(copying), **kw) as llm:
+        want = run(llm, [list(p) for p in prompts], _greedy())
+    with LLM(str(copying), **kw, **_spec(2)) as llm:
+        cold = run(llm, [list(p) for p in prompts], _greedy())
+        assert run(llm, [list(p) for p in prompts], _greedy()) == cold
+        stats = llm.get_stats()
+    assert stats["num_prefill_chunks"] > len(prompts) and stats["prefix_cache_hits"] > 0
+    assert stats["spec_num_accepted"] > stats["spec_num_drafts"] // 2, stats
+    assert cold == want
+    small = {"block_size": 4, "num_kv_blocks": 30, "max_model_len": 64}
+    with LLM(str(copying), dtype="float32", enable_prefix_caching=False, **small) as llm:
+        want = run(llm, [list(p) for p in prompts], _greedy(24))
+    with LLM(str(copying), dtype="float32", **small, **_spec(2)) as llm:
+        got = run(llm, [list(p) for p in prompts], _greedy(24))
+        stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == 30
+    assert stats["spec_num_accepted"] > stats["spec_num_drafts"] // 2, stats
+    assert got == want
