@@ -7,7 +7,8 @@ prompt chunk and a decode step, where the top-k selection drops keys; speculativ
 (k = 1 and 2, async scheduling, concurrent requests with prompts longer than
 `index_topk`) equals plain greedy token for token, with drafts proposed and, from an MTP
 layer that copies the target's, mostly accepted (also over chunked prompts, prefix-cache
-hits and preemption); the MTP layer's own indexer cuts its queries' keys; a separate or quantized draft head and token trees are refused (a
+hits and preemption, and with bf16 weights); the MTP layer's own indexer cuts its
+queries' keys; a separate or quantized draft head and token trees are refused (a
 checkpoint without the layer: `test_deepseek_v32.py`)."""
 
 from __future__ import annotations
@@ -239,5 +240,17 @@ def test_chunked_prefill_prefix_hits_and_preemption_keep_the_drafts(copying: Pat
         got = run(llm, [list(p) for p in prompts], _greedy(24))
         stats = llm.get_stats()
     assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == 30
+    assert stats["spec_num_accepted"] > stats["spec_num_drafts"] // 2, stats
+    assert got == want
+
+
+def test_bfloat16_weights_speculative_greedy_equals_plain(copying: Path) -> None:
+    """bf16 weights (the release's dtype): verified drafts give the plain bf16 tokens."""
+    prompts = [list(p) for p in _prompts(seed=14)]
+    with LLM(str(copying), dtype="bfloat16") as llm:
+        want = run(llm, prompts, _greedy())
+    with LLM(str(copying), dtype="bfloat16", **_spec(2)) as llm:
+        got = run(llm, prompts, _greedy())
+        stats = llm.get_stats()
     assert stats["spec_num_accepted"] > stats["spec_num_drafts"] // 2, stats
     assert got == want
