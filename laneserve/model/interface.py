@@ -11,11 +11,16 @@ worker asks these and never checks a model's class.
  paged_groups   AttentionMetadata per cache group   every group's, per group, per layer
                 (DeepSeek V3.2: MLA latents + indexer keys)
 ```
-A draft (MTP) head has a step kind too: the metadata of its own cache group.
+A draft (MTP) head has a step kind too: the metadata of its own cache groups, which it
+names (`cache_groups`). A `paged` or `token_tables` head reads one group and takes that
+group's metadata and layer tensors; a `paged_groups` head (DeepSeek V3.2's: its MTP
+layer's latents and indexer keys) takes a tuple of both, one entry per group, in the
+order it names them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -61,15 +66,16 @@ class DraftHead(Protocol):
     """A model's MTP head as the proposer runs it."""
 
     kernels: Kernels
-    step_kind: str  # the metadata its forward takes for its own cache group
+    step_kind: str  # the metadata its forward takes for its own cache groups
+    cache_groups: tuple[str, ...]  # the names of the cache groups it reads, in that order
 
     def forward(
         self,
         next_tokens: torch.Tensor,  # [T] t[i+1] for each position i
         hidden: torch.Tensor,  # [T, H] (or streams) at i: the target's or the previous depth's
         positions: torch.Tensor,  # [T] i
-        meta: Any,  # of `step_kind`
-        cache: tuple[torch.Tensor, ...],  # its group's tensors
+        meta: Any,  # of `step_kind` (paged_groups: one AttentionMetadata per group)
+        cache: Any,  # its group's tensors (paged_groups: per group, that group's tensors)
     ) -> torch.Tensor: ...
 
     def draft(self, hidden: torch.Tensor, n: int = 1) -> torch.Tensor:  # [N, n] best first
@@ -79,3 +85,10 @@ class DraftHead(Protocol):
 def single_group_tables(table_per_token: torch.Tensor, max_len: int) -> TokenTableMetadata:
     """TOKEN_TABLES metadata of one cache group (a draft head's): its table per token."""
     return TokenTableMetadata((table_per_token.to(torch.int64),), max_len)
+
+
+def for_draft_head(head: DraftHead, per_group: Sequence[Any]) -> Any:
+    """What `head` takes of its cache groups' values (metadata or layer tensors, in the
+    order of `head.cache_groups`): the one group's, or a paged_groups head's tuple."""
+    assert len(per_group) == len(head.cache_groups), "one value per group the head reads"
+    return tuple(per_group) if head.step_kind == PAGED_GROUPS else per_group[0]

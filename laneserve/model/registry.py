@@ -24,6 +24,7 @@ from laneserve.model.deepseek_v4 import model as deepseek_v4
 from laneserve.model.deepseek_v4.mtp import load_deepseek_v4_mtp
 from laneserve.model.deepseek_v4.parallel import parallel_sizes as deepseek_v4_parallel_sizes
 from laneserve.model.deepseek_v32 import model as deepseek_v32
+from laneserve.model.deepseek_v32.mtp import load_deepseek_v32_mtp
 from laneserve.model.llama import model as llama
 from laneserve.model.llama.mtp import load_mtp_head
 from laneserve.model.loader import Checkpoint, WeightStore
@@ -95,7 +96,7 @@ def _deepseek_v32_mtp(
     known_name: str | None,
     quantize: str | None,
 ) -> Any:
-    raise UnsupportedModelError(deepseek_v32.mtp_refusal(model.arch))
+    return load_deepseek_v32_mtp(store, model, kernels, draft_weights, quantize)
 
 
 FAMILIES = (
@@ -128,6 +129,7 @@ FAMILIES = (
         _deepseek_v32_mtp,
         supports_side_rows=False,
         parallel_sizes=deepseek.parallel_sizes,
+        parallel_mtp=True,
         expert_parallel=True,
     ),
     ModelFamily(

@@ -37,11 +37,12 @@ class StepView:
     last_index: torch.Tensor  # [Rs] token row of each sampling row's last accepted position
     positions: torch.Tensor  # [T]
     hidden: torch.Tensor  # [T, H] target normed hidden ([T, N * H] streams for DeepSeek V4)
-    # the step's attention metadata for the MTP cache group (V4: its table per token)
-    meta_mtp: AttentionMetadata | TokenTableMetadata | None
-    # [Rs, W + 1] MTP block table rows (last column: scratch); None at depth 1 (k = 1 or a
-    # depth-1 tree), where no draft goes past the first position
-    mtp_table: torch.Tensor | None
+    # the step's attention metadata for the MTP cache group (V4: its table per token;
+    # a paged_groups head: one per group it reads)
+    meta_mtp: AttentionMetadata | TokenTableMetadata | tuple[AttentionMetadata, ...] | None
+    # per MTP cache group, [Rs, W + 1] block table rows (last column: scratch); None at
+    # depth 1 (k = 1 or a depth-1 tree), where no draft goes past the first position
+    mtp_tables: tuple[torch.Tensor, ...] | None
     max_len: int  # host bound on every sampling row's length
 
 

@@ -21,10 +21,18 @@ drafters are deterministic, so verification stays exact either way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
-from laneserve.model.interface import TOKEN_TABLES, DraftHead, single_group_tables
-from laneserve.model.layers.attention import AttentionMetadata, TokenTableMetadata
+from laneserve.model.interface import (
+    TOKEN_TABLES,
+    DraftHead,
+    for_draft_head,
+    single_group_tables,
+)
+from laneserve.model.layers.attention import AttentionMetadata
 from laneserve.spec_decode.base import DraftSlots, Proposer, StepView
 from laneserve.spec_decode.ngram import NgramProposer
 
@@ -36,12 +44,15 @@ class MtpProposer:
         self,
         head: DraftHead,  # the target's MTP head (model/interface.py)
         k: int,
-        kv_cache: tuple[torch.Tensor, ...],  # (K, V), or (latent,) for MLA
+        # per cache group the head reads (`head.cache_groups`): its layer's (K, V), or
+        # (latent,) for MLA, or (keys,) for DeepSeek V3.2's indexer
+        group_caches: Sequence[tuple[torch.Tensor, ...]],
         block_size: int,
         alternatives: int = 0,  # token tree: the head's next-best tokens for the first draft
         lookup: NgramProposer | None = None,  # ngram_first: lookup drafts win where found
     ) -> None:
-        self.head, self.k, self.kv_cache, self.block_size = head, k, kv_cache, block_size
+        self.head, self.k, self.block_size = head, k, block_size
+        self.kv_cache = for_draft_head(head, group_caches)
         self.alternatives, self.lookup = alternatives, lookup
 
     def propose(self, state: DraftSlots, view: StepView, next_tokens: torch.Tensor) -> None:
@@ -75,24 +86,28 @@ class MtpProposer:
 
     def _chain(self, view: StepView, h: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """Drafts 2..k: the head applied recurrently on its own output. [Rs, k]"""
-        table = view.mtp_table
-        assert table is not None, "recurrent drafts (k > 1) need the MTP block table"
+        tables = view.mtp_tables
+        assert tables is not None, "recurrent drafts (k > 1) need the MTP block tables"
         drafts = [token[:, None]]
         pos = view.positions.index_select(0, view.last_index)
         bound = view.max_len + self.k  # NOTE: above every position drafted here
         for _ in range(self.k - 1):
             pos = pos + 1
-            meta = self._single_token_meta(table, pos, bound)
+            meta = self._single_token_meta(tables, pos, bound)
             h = self.head.forward(token, h, pos, meta, self.kv_cache)
             token = self.head.draft(h)[:, 0]
             drafts.append(token[:, None])
         return torch.cat(drafts, dim=1)
 
     def _single_token_meta(
-        self, table: torch.Tensor, pos: torch.Tensor, bound: int
-    ) -> AttentionMetadata | TokenTableMetadata:
+        self, tables: tuple[torch.Tensor, ...], pos: torch.Tensor, bound: int
+    ) -> Any:  # the head's step kind, for its groups' `tables`
         if self.head.step_kind == TOKEN_TABLES:  # NOTE: it reads a table per token
-            return single_group_tables(table, bound)
+            return single_group_tables(tables[0], bound)
+        return for_draft_head(self.head, [self._decode_meta(t, pos) for t in tables])
+
+    def _decode_meta(self, table: torch.Tensor, pos: torch.Tensor) -> AttentionMetadata:
+        """One decode row per draft row at `pos`, in the group whose rows are `table`."""
         bs = self.block_size
         col = torch.div(pos, bs, rounding_mode="floor").clamp(max=table.shape[1] - 1)
         block = table.gather(1, col[:, None]).squeeze(1)

@@ -26,6 +26,8 @@ from laneserve.model.interface import (
     PAGED_GROUPS,
     TOKEN_TABLES,
     CausalLM,
+    DraftHead,
+    for_draft_head,
     single_group_tables,
 )
 from laneserve.model.layers.attention import AttentionMetadata, PrefillSpan, TokenTableMetadata
@@ -111,7 +113,8 @@ class ModelRunner:
         self.proposer = proposer
         self.grammars = grammars
         self.graphs = graphs
-        self.mtp_group = kv.group_index("mtp") if isinstance(proposer, MtpProposer) else None
+        self.draft_head = proposer.head if isinstance(proposer, MtpProposer) else None
+        self.mtp_groups = _group_indices(kv, self.draft_head)  # the head's, in its order
         self.kv_stacks: list[KvStack] = kv.stacks  # per group: the layers' caches stacked
         self.max_spec = max_spec
         self.state = DeviceState(device, max_model_len + max_spec + 2, max_spec, side_width)
@@ -258,8 +261,8 @@ class ModelRunner:
         kind = self.model.step_kind
         if kind == TOKEN_TABLES:  # it reads every cache group
             return self._all_groups(inp)
-        if kind == PAGED_GROUPS:
-            rest = range(1, len(inp.attention.groups))
+        if kind == PAGED_GROUPS:  # the target's groups: every one but the MTP head's
+            rest = [g for g in range(1, len(inp.attention.groups)) if g not in self.mtp_groups]
             return (meta, *(self._group_metadata(inp, meta, positions, g) for g in rest))
         return meta
 
@@ -392,27 +395,41 @@ class ModelRunner:
         next_tokens = st.history[inp.per_token.slot, (positions + 1).clamp(max=st.width - 1)]
         last = sr.first + (accepted if accepted is not None else 0)
         last_index = sr.token_idx.index_select(0, last) if accepted is not None else last
-        meta_mtp: AttentionMetadata | TokenTableMetadata | None = None
-        mtp_table = None
-        if self.mtp_group is not None:
-            meta_mtp = self._mtp_metadata(inp, meta, positions, self.mtp_group)
-            if self.max_spec > 1:  # only recurrent drafts (k > 1) read it
-                table = inp.attention.groups[self.mtp_group].block_table
-                mtp_table = table.index_select(0, sr.index)
-        view = StepView(sr.slot, last_index, positions, hidden, meta_mtp, mtp_table, inp.max_len)
+        meta_mtp = None
+        mtp_tables = None
+        if self.draft_head is not None:
+            meta_mtp = self._mtp_metadata(inp, meta, positions, self.draft_head)
+            if self.max_spec > 1:  # only recurrent drafts (k > 1) read them
+                groups = inp.attention.groups
+                mtp_tables = tuple(
+                    groups[g].block_table.index_select(0, sr.index) for g in self.mtp_groups
+                )
+        view = StepView(sr.slot, last_index, positions, hidden, meta_mtp, mtp_tables, inp.max_len)
         self.proposer.propose(st, view, next_tokens)
 
     def _mtp_metadata(
-        self, inp: StepInputs, meta: AttentionMetadata, positions: torch.Tensor, group: int
-    ) -> AttentionMetadata | TokenTableMetadata:
-        if self.model.step_kind == TOKEN_TABLES:  # NOTE: its attention reads tables per token
+        self, inp: StepInputs, meta: AttentionMetadata, positions: torch.Tensor, head: DraftHead
+    ) -> AttentionMetadata | TokenTableMetadata | tuple[AttentionMetadata, ...]:
+        """The step's metadata for the head's cache groups (of the head's step kind)."""
+        if head.step_kind == TOKEN_TABLES:  # NOTE: its attention reads tables per token
+            (group,) = self.mtp_groups
             table = inp.attention.groups[group].block_table.index_select(0, inp.per_token.row)
             return single_group_tables(table, inp.max_len)
-        return self._group_metadata(inp, meta, positions, group)
+        metas = [self._group_metadata(inp, meta, positions, g) for g in self.mtp_groups]
+        return for_draft_head(head, metas)
 
     # -- output lane -------------------------------------------------------
     def reclaim(self, out: DeviceOutputs) -> StepResult:
         return step_outputs.reclaim(out)
+
+
+def _group_indices(kv: KvCache, head: DraftHead | None) -> tuple[int, ...]:
+    """The cache-group indices of the groups `head` reads (none without a head)."""
+    if head is None:
+        return ()
+    found = [kv.group_index(name) for name in head.cache_groups]
+    assert None not in found, f"the MTP head's cache groups {head.cache_groups} are allocated"
+    return tuple(g for g in found if g is not None)
 
 
 def _outputs(inp: StepInputs, sampled: SampledStep | None, drafts: Drafts | None) -> DeviceOutputs:

@@ -313,12 +313,13 @@ class Worker:
         )
         if spec.method == "ngram":
             return lookup
-        mtp_group = self.kv.group_index("mtp")
-        assert mtp_group is not None and self.mtp is not None
+        assert self.mtp is not None
+        groups = [self.kv.group_index(name) for name in self.mtp.cache_groups]
+        layers = self.kv.layers
         return MtpProposer(
             self.mtp,
             spec.depth,
-            self.kv.layers[mtp_group][0],
+            [layers[g][0] for g in groups if g is not None],  # each group's one layer
             self.block_size,
             self.side_width,
             lookup if spec.ngram_first else None,

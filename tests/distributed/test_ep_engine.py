@@ -100,6 +100,29 @@ def test_v32_equals_one_device(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_v32_mtp_equals_one_device(tmp_path: Path) -> None:
+    """V3.2's MTP layer (k = 2; a MoE copy of the target's layer, so its drafts are
+    mostly accepted): the drafts' MoE layer joins the exchanges on each rank."""
+    from tests.models.tiny_deepseek_v32 import build_copying_mtp, build_tiny_deepseek_v32
+
+    src = build_tiny_deepseek_v32(tmp_path / "v32", seed=0, index_topk=6)
+    d = build_copying_mtp(src, tmp_path / "copy")
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    kw: dict = {"dtype": "float32", "async_scheduling": True, "speculative_config": spec}
+    prompts = mixed_prompts(4, seed=2, lo=8, hi=40)
+    with LLM(str(d), **kw) as llm:
+        want = run(llm, prompts, GREEDY)
+    with LLM(str(d), **EP, **kw) as llm:
+        core = engaged(llm)
+        got = run(llm, prompts, GREEDY)
+        assert min(core.router.routed) >= 1
+        for rank in core.ranks:  # speculation engaged on each rank
+            stats = rank.scheduler.stats
+            assert stats.num_drafts > 0 and stats.num_accepted > 0
+    assert got == want
+
+
+@pytest.mark.slow
 def test_killed_worker_fails_every_request_and_the_ranks_restart_together(v3_mtp: Path) -> None:
     args = EngineArgs(model=str(v3_mtp), dtype="float32", **EP)
     eng = LLMEngine(args.create_config())

@@ -1,7 +1,7 @@
 """`LLM(DeepSeek V2 / V3, tensor_parallel_size=2)`: the worker process is rank 0 of two
 gloo ranks on 127.0.0.1; greedy tokens equal one device's for a batch of prompts of
-different lengths, also with V3's MTP layer drafting (k = 2, async) and with n-gram
-drafts (family-independent: also on Llama)."""
+different lengths, also with V3's and V3.2's MTP layers drafting (k = 2, async) and with
+n-gram drafts (family-independent: also on Llama)."""
 
 from __future__ import annotations
 
@@ -83,3 +83,22 @@ def test_v32_two_ranks_generate_what_one_device_does(tmp_path: Path) -> None:
     d = build_tiny_deepseek_v32(tmp_path / "v32", seed=3, index_topk=6)
     prompts = mixed_prompts(4, seed=21, lo=8, hi=40)
     assert_two_ranks_generate_what_one_device_does(str(d), prompts, (True,))
+
+
+@pytest.mark.slow
+def test_v32_two_ranks_with_the_mtp_layer_drafting(tmp_path: Path) -> None:
+    """V3.2's MTP layer (its own indexer whole on each rank, MLA's heads split) copying
+    the target's one layer: accepted drafts, one device's tokens."""
+    from tests.models.tiny_deepseek_v32 import build_copying_mtp, build_tiny_deepseek_v32
+
+    src = build_tiny_deepseek_v32(tmp_path / "v32", seed=3, index_topk=6)
+    d = build_copying_mtp(src, tmp_path / "copy")
+    prompts = mixed_prompts(4, seed=12, lo=8, hi=40)
+    with LLM(str(d), dtype="float32") as llm:
+        want = run(llm, prompts, GREEDY)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with two_ranks(str(d), async_scheduling=True, speculative_config=spec) as llm:
+        got = run(llm, prompts, GREEDY)
+        stats = llm.get_stats()
+    assert got == want
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] > 0, stats

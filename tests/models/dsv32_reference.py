@@ -74,15 +74,34 @@ class ReferenceV32:
         return ids[len(prompt) :]
 
     def logits(self, ids: list[int]) -> torch.Tensor:  # [S, vocab]
-        w, cfg = self.w, self.cfg
-        h = w["model.embed_tokens.weight"][torch.tensor(ids)]
-        for i in range(cfg["num_hidden_layers"]):
-            p = f"model.layers.{i}."
-            h = h + self._attention(p + "self_attn.", _rms(h, w[p + "input_layernorm.weight"]))
-            x = _rms(h, w[p + "post_attention_layernorm.weight"])
-            dense = i < cfg["first_k_dense_replace"]
-            h = h + (_mlp(w, p + "mlp.", x) if dense else self._moe(p + "mlp.", x))
-        return _rms(h, w["model.norm.weight"]) @ w["lm_head.weight"].t()
+        return self._final_hidden(ids) @ self.w["lm_head.weight"].t()
+
+    def mtp_logits(self, ids: list[int]) -> torch.Tensor:  # [S - 1, vocab]
+        """The MTP layer `model.layers.{L}` at positions 0 .. S - 2: position i reads the
+        final-normed hidden state at i and the token ids[i + 1], and scores ids[i + 2].
+
+        x = eh_proj [enorm(embed ids[i+1]) | hnorm(h_i)]; a decoder layer (its own
+        indexer, over the MTP layer's own positions); shared_head.norm; shared_head.head."""
+        w, n = self.w, self.cfg["num_hidden_layers"]
+        p = f"model.layers.{n}."
+        h = self._final_hidden(ids)[:-1]
+        e = w["model.embed_tokens.weight"][torch.tensor(ids[1:])]
+        x = torch.cat([_rms(e, w[p + "enorm.weight"]), _rms(h, w[p + "hnorm.weight"])], dim=-1)
+        x = self._layer(n, x @ w[p + "eh_proj.weight"].t())
+        return _rms(x, w[p + "shared_head.norm.weight"]) @ w[p + "shared_head.head.weight"].t()
+
+    def _final_hidden(self, ids: list[int]) -> torch.Tensor:  # [S, H] after model.norm
+        h = self.w["model.embed_tokens.weight"][torch.tensor(ids)]
+        for i in range(self.cfg["num_hidden_layers"]):
+            h = self._layer(i, h)
+        return _rms(h, self.w["model.norm.weight"])
+
+    def _layer(self, i: int, h: torch.Tensor) -> torch.Tensor:  # the residual stream after
+        w, p = self.w, f"model.layers.{i}."
+        h = h + self._attention(p + "self_attn.", _rms(h, w[p + "input_layernorm.weight"]))
+        x = _rms(h, w[p + "post_attention_layernorm.weight"])
+        dense = i < self.cfg["first_k_dense_replace"]
+        return h + (_mlp(w, p + "mlp.", x) if dense else self._moe(p + "mlp.", x))
 
     def _attention(self, a: str, x: torch.Tensor) -> torch.Tensor:
         w, cfg = self.w, self.cfg

@@ -152,7 +152,7 @@ def test_release_layout_fp8_sharded_with_mtp_layer(
     v32: Path, tmp_path: Path, counters: dict[str, int]
 ) -> None:
     """The checkpoint as DeepSeek ships it loads unchanged and runs the values it
-    encodes (the reference decodes the FP8 blocks itself)."""
+    encodes (the reference decodes the FP8 blocks itself); its MTP layer drafts."""
     release = write_release_layout(v32, tmp_path / "release")
     assert not (release / "model.safetensors").exists()
     prompts = mixed_prompts(2, seed=7, lo=25, hi=35)
@@ -160,6 +160,10 @@ def test_release_layout_fp8_sharded_with_mtp_layer(
         got = run(llm, prompts, _greedy(8))
     assert counters["queries_cut"] > 0
     check_against_reference(release, prompts, got, 8, hf=False)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}  # its FP8 MTP layer drafts
+    with LLM(str(release), dtype="float32", speculative_config=spec) as llm:
+        assert run(llm, prompts, _greedy(8)) == got
+        assert llm.get_stats()["spec_num_drafts"] > 0
 
 
 @pytest.mark.slow
@@ -298,10 +302,10 @@ def test_release_config_is_read() -> None:
 
 
 @pytest.mark.slow
-def test_mtp_speculation_is_refused(v32: Path) -> None:
-    with pytest.raises(
-        Exception, match=r"MTP speculative decoding is not built for DeepSeek V3\.2"
-    ):
+def test_mtp_without_the_mtp_layer_is_refused(v32: Path) -> None:
+    """MTP speculation runs the checkpoint's own MTP layer (`test_deepseek_v32_mtp.py`);
+    this checkpoint has none (num_nextn_predict_layers 0, no `model.layers.3.*`)."""
+    with pytest.raises(Exception, match=r"carries no MTP layer \(model\.layers\.3\.eh_proj"):
         LLM(
             str(v32),
             dtype="float32",

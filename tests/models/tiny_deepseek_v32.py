@@ -13,7 +13,8 @@ V3.2 inference config). transformers makes the random weights; `RELEASE_LAYER_NA
 checks its state dict against the released names before it is written.
 `write_release_layout` rewrites it as DeepSeek ships V3.2: FP8 projections with
 `weight_scale_inv` (ue8m0 powers of two per 128 x 128 block), the rest bf16, two
-shards with an index, and the MTP layer `model.layers.{num_hidden_layers}`.
+shards with an index, and the MTP layer `model.layers.{num_hidden_layers}`;
+`add_mtp_layer` adds that layer (random) to the unquantized checkpoint.
 """
 
 from __future__ import annotations
@@ -212,27 +213,82 @@ def _fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.
     return q, scale
 
 
+def add_mtp_layer(model_dir: Path, *, seed: int = 0) -> Path:
+    """Append a random MTP layer (the release's names, `model.layers.{L}`, its indexer
+    included) to a tiny V3.2 checkpoint of one `model.safetensors`, and declare it in
+    config.json (`num_nextn_predict_layers: 1`)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    state = load_file(str(model_dir / "model.safetensors"))
+    save_file({**state, **_mtp_layer(state, cfg, seed)}, str(model_dir / "model.safetensors"))
+    (model_dir / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 1}))
+    return model_dir
+
+
 def _mtp_layer(state: dict[str, torch.Tensor], cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     """A random MTP layer `model.layers.{L}`: a MoE decoder layer shaped like the last one
-    (indexer included) plus `embed_tokens`, `enorm`, `hnorm`, `eh_proj`, `shared_head`."""
+    (indexer included) plus `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and the
+    target's `embed_tokens` and LM head as its `embed_tokens` / `shared_head.head`."""
     g = torch.Generator().manual_seed(seed)
     last, mtp = cfg["num_hidden_layers"] - 1, cfg["num_hidden_layers"]
-    layer = {
-        k.replace(f"model.layers.{last}.", f"model.layers.{mtp}."): torch.randn(
-            v.shape, generator=g
-        )
-        * 0.05
+    h, p = cfg["hidden_size"], f"model.layers.{mtp}."
+    shapes = {
+        k.replace(f"model.layers.{last}.", p): v.shape
         for k, v in state.items()
         if k.startswith(f"model.layers.{last}.")
     }
-    h, p = cfg["hidden_size"], f"model.layers.{mtp}."
-    extra = {
-        "embed_tokens.weight": (cfg["vocab_size"], h),
-        "enorm.weight": (h,),
-        "hnorm.weight": (h,),
-        "eh_proj.weight": (h, 2 * h),
-        "shared_head.norm.weight": (h,),
-        "shared_head.head.weight": (cfg["vocab_size"], h),
-    }
-    layer |= {p + k: torch.randn(s, generator=g) * 0.05 for k, s in extra.items()}
+    shapes |= {p + n: (h,) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")}
+    shapes[p + "eh_proj.weight"] = (h, 2 * h)
+    layer = {name: _random(name, shape, g) for name, shape in shapes.items()}
+    layer[p + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    layer[p + "shared_head.head.weight"] = state["lm_head.weight"].clone()
     return layer
+
+
+def _random(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Values of the scale the tiny target's tensors of that kind have."""
+    if "norm" in name and name.endswith("weight"):
+        return torch.rand(shape, generator=g) * 0.6 + 0.7
+    if name.endswith(("bias", "e_score_correction_bias")):
+        return torch.randn(shape, generator=g) * 0.1
+    return torch.randn(shape, generator=g) * (0.6 if name.endswith("gate.weight") else 0.15)
+
+
+def build_copying_mtp(src: Path, out: Path) -> Path:
+    """A one-layer V3.2 target (`src`'s last decoder layer, a MoE one) with an MTP layer
+    that copies it: embedding rows of RMS 1, `enorm` the identity on them, `eh_proj`
+    passing the token's embedding only, `shared_head.norm` the target's final norm.
+
+    The MTP layer at position i then computes the target's layer on token i + 1 over
+    the tokens 1 .. i + 1 (at positions 0 .. i), where the target at i + 1 sees
+    0 .. i + 1: its draft is the target's next token most of the time, not always
+    (the attention, its indexer's top k included, sees one token less)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    state = load_file(str(src / "model.safetensors"))
+    last, h, eps = f"model.layers.{cfg['num_hidden_layers'] - 1}.", HIDDEN, cfg["rms_norm_eps"]
+    layer = {k.removeprefix(last): v for k, v in state.items() if k.startswith(last)}
+    emb = state["model.embed_tokens.weight"]
+    emb = emb / emb.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
+    top = ("model.norm.weight", "lm_head.weight")
+    tensors = {n: state[n] for n in top} | {"model.embed_tokens.weight": emb}
+    tensors |= {f"model.layers.0.{k}": v for k, v in layer.items()}
+    tensors |= {f"model.layers.1.{k}": v.clone() for k, v in layer.items()}
+    tensors |= {
+        "model.layers.1.enorm.weight": torch.full((h,), (1.0 + eps) ** 0.5),
+        "model.layers.1.hnorm.weight": torch.ones(h),
+        "model.layers.1.eh_proj.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1),
+        "model.layers.1.shared_head.norm.weight": state["model.norm.weight"].clone(),
+        "model.layers.1.shared_head.head.weight": state["lm_head.weight"].clone(),
+        "model.layers.1.embed_tokens.weight": emb.clone(),
+    }
+    out.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    layout = {"num_hidden_layers": 1, "first_k_dense_replace": 0, "num_nextn_predict_layers": 1}
+    (out / "config.json").write_text(json.dumps(cfg | layout, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    return out

@@ -17,7 +17,7 @@ all-gathered logits. The head has the interface of
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +25,6 @@ from laneserve.kernels import Kernels
 from laneserve.model.arch import ArchConfig, UnsupportedModelError
 from laneserve.model.deepseek.model import DeepseekLayer, DeepseekModel
 from laneserve.model.interface import PAGED
-from laneserve.model.layers.attention import AttentionMetadata
 from laneserve.model.layers.linear import Linear, linear_weight
 from laneserve.model.layers.moe import MoE
 from laneserve.model.layers.norm import RMSNorm
@@ -37,6 +36,8 @@ if TYPE_CHECKING:
 
 class DeepseekMtpHead:
     step_kind = PAGED  # its group's AttentionMetadata
+    cache_groups: tuple[str, ...] = ("mtp",)
+    layer_class: type[DeepseekLayer] = DeepseekLayer  # its decoder block
 
     def __init__(
         self, arch: ArchConfig, kernels: Kernels, get: WeightGetter, base: DeepseekModel
@@ -51,7 +52,9 @@ class DeepseekMtpHead:
         self.eh_proj = Linear(kernels, linear_weight(get, f"{prefix}.eh_proj.weight"), None)
         dense = arch.num_layers < p.first_k_dense_replace
         # sharded as the target's layers; eh_proj and the norms are whole on every rank
-        self.layer = DeepseekLayer(arch, kernels, get, prefix, base.rotary, dense, base.tp, base.ep)
+        self.layer = self.layer_class(
+            arch, kernels, get, prefix, base.rotary, dense, base.tp, base.ep
+        )
         self.norm = RMSNorm(kernels, get(f"{prefix}.shared_head.norm.weight"), eps)
         self.head = base.lm_head
         self.draft_vocab = None
@@ -61,8 +64,8 @@ class DeepseekMtpHead:
         next_tokens: torch.Tensor,  # [T] t[i+1] for each position i
         hidden: torch.Tensor,  # [T, H] the target's (or the previous depth's) normed hidden
         positions: torch.Tensor,  # [T] i
-        meta: AttentionMetadata,
-        cache: tuple[torch.Tensor, ...],  # the MTP group's (latent,)
+        meta: Any,  # its group's AttentionMetadata (of its step kind)
+        cache: Any,  # its group's (latent,) (of its step kind)
     ) -> torch.Tensor:  # [T, H] normed output (feeds the head and the next depth)
         e = self.enorm(self.base.embed(next_tokens))
         x = self.eh_proj(torch.cat([e, self.hnorm(hidden)], dim=-1))
@@ -97,6 +100,7 @@ def load_deepseek_mtp(
     kernels: Kernels,
     draft_weights: str | None,
     quantize: str | None,
+    head_class: type[DeepseekMtpHead] = DeepseekMtpHead,
 ) -> DeepseekMtpHead:
     arch = store.ckpt.arch
     refuse_head_options(arch, draft_weights, quantize)
@@ -108,4 +112,4 @@ def load_deepseek_mtp(
             f"{arch.deepseek.num_nextn_predict_layers}): speculative method 'mtp' needs one; "
             'use "method": "ngram"'
         )
-    return DeepseekMtpHead(arch, kernels, store, base)
+    return head_class(arch, kernels, store, base)

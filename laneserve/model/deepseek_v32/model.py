@@ -3,7 +3,8 @@ whose attention is DeepSeek Sparse Attention (`attention.py`, `indexer.py`).
 
 The cache has two groups: the MLA latents ("main", as V3) and the indexer keys
 ("indexer", one `index_head_dim` entry per token and layer). Its forward takes both
-groups' metadata and caches (step kind PAGED_GROUPS, `model/interface.py`).
+groups' metadata and caches (step kind PAGED_GROUPS, `model/interface.py`). Its MTP
+layer (`mtp.py`) has two groups of its own in the same layout.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from laneserve.distributed.parallel_state import TensorParallel
 from laneserve.kernels import Kernels
 from laneserve.kv_cache_interface import FULL_ATTENTION, CacheGroupSpec
-from laneserve.model.arch import ArchConfig, UnsupportedModelError
+from laneserve.model.arch import ArchConfig
 from laneserve.model.deepseek import model as deepseek
 from laneserve.model.deepseek_v32.attention import SparseMlaAttention
 from laneserve.model.deepseek_v32.config import IndexerParams
@@ -74,25 +75,20 @@ def cache_groups(
     arch: ArchConfig, block_size: int, dtype_bytes: int, mtp_layers: int, tp_size: int = 1
 ) -> list[CacheGroupSpec]:
     """V3's latent group, then the indexer keys' group (one entry per token and layer);
-    both whole on every tensor-parallel rank (`tp_size`)."""
+    with an MTP layer, its own latent group (`mtp`) and indexer-key group
+    (`mtp_indexer`) follow. All whole on every tensor-parallel rank (`tp_size`)."""
+    main, *mtp = deepseek.cache_groups(arch, block_size, dtype_bytes, mtp_layers)
+    groups = [main, _indexer_group("indexer", arch, block_size, dtype_bytes, arch.num_layers)]
     if mtp_layers:
-        raise UnsupportedModelError(mtp_refusal(arch))
-    groups = deepseek.cache_groups(arch, block_size, dtype_bytes, 0)
-    entry = (1, _indexer(arch).index_head_dim)
-    groups.append(
-        CacheGroupSpec(
-            "indexer", FULL_ATTENTION, block_size, arch.num_layers, 1, entry, dtype_bytes
-        )
-    )
+        groups += [*mtp, _indexer_group("mtp_indexer", arch, block_size, dtype_bytes, mtp_layers)]
     return groups
 
 
-def mtp_refusal(arch: ArchConfig) -> str:
-    return (
-        f"{arch.architecture}: MTP speculative decoding is not built for DeepSeek V3.2 "
-        "(its MTP layer has a sparse-attention indexer of its own); run it without "
-        "--speculative-config method 'mtp'"
-    )
+def _indexer_group(
+    name: str, arch: ArchConfig, block_size: int, dtype_bytes: int, layers: int
+) -> CacheGroupSpec:
+    entry = (1, _indexer(arch).index_head_dim)
+    return CacheGroupSpec(name, FULL_ATTENTION, block_size, layers, 1, entry, dtype_bytes)
 
 
 def weight_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:

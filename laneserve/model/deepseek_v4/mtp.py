@@ -40,6 +40,7 @@ PREFIX = "mtp.0"
 
 class DeepseekV4MtpHead:
     step_kind = TOKEN_TABLES  # its group's table per token (`interface.single_group_tables`)
+    cache_groups = ("mtp",)
 
     def __init__(
         self,

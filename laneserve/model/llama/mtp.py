@@ -38,6 +38,7 @@ def mtp_prefix(arch: ArchConfig) -> str:
 
 class MtpHead:
     step_kind = PAGED  # its group's AttentionMetadata
+    cache_groups = ("mtp",)
 
     def __init__(
         self,
