@@ -277,6 +277,28 @@ inline void tile_group_fp4(const ScaledArgs& a, const Block (&blk)[C], int64_t g
   }
 }
 
+// One fp8 scale group of C blocks, interleaved per k; kFold: sv holds 2^unit * scale
+// (group_fp8's NOTE), else the scale, with the 2^unit applied first.
+template <int R, int C, int64_t F, bool kFold>
+inline void tile_group_fp8(const ScaledArgs& a, const Block (&blk)[C], int64_t g,
+                           const __m256 (&sv)[C][2], const float* x, __m256 (&acc)[R][C][2]) {
+  const __m256 u = unit<F>();
+  const int64_t k_end = std::min(a.K, (g + 1) * a.group);
+  for (int64_t k = g * a.group; k < k_end; ++k) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      __m256 vl, vh;
+      e4m3x16<F>(blk[c].w + k * kNB, vl, vh);
+      if constexpr (!kFold) {
+        vl = _mm256_mul_ps(vl, u);
+        vh = _mm256_mul_ps(vh, u);
+      }
+      fma_block<R, C>(x, a.K, k, c, _mm256_mul_ps(vl, sv[c][0]), _mm256_mul_ps(vh, sv[c][1]),
+                      acc);
+    }
+  }
+}
+
 // Up to kTileRows rows x C column blocks (b0..b0+C-1): the weights decoded in registers,
 // the blocks interleaved so that R * C * 2 FMA chains are in flight (one block at one
 // row would wait on the FMA latency), accumulators kept in registers.
