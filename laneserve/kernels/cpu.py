@@ -36,9 +36,15 @@ _GGUF_LAYOUT = {
 # ... with int8 activations (quant_linear_q8.cpp, AVX-512 VNNI)
 _GGUF_Q8_LAYOUT = {f"gguf-{name}-q8-vnni": code for name, code in quant.QTYPE_CODE.items()}
 # block-scaled fp8 / fp4 kept as stored (scaled_linear.cpp; AVX-512 or AVX2 by isa, one
-# layout): layout -> the op's fmt
+# layout): layout -> the op's fmt. fp8 weights whose bytes hold no NaN (every weight the
+# loader keeps: it refuses NaN) take fmt 2, which lets the AVX2 kernel skip the NaN check
+# in its decode; "-nan" marks an fp8 weight with NaN bytes (fmt 0, NaN-aware decode).
 _SCALED_ISA_VBMI = 2  # scaled_linear's isa: AVX-512 with fp8 decoded by VBMI permutes
-_SCALED_LAYOUT = {f"scaled-{name}-blocked16": code for code, name in enumerate(scaled.FORMATS)}
+_SCALED_LAYOUT = {
+    "scaled-fp8-blocked16": 2,  # scaled_tiles.h kFmtFp8Finite
+    "scaled-fp8-nan-blocked16": 0,  # kFmtFp8
+    "scaled-fp4-blocked16": 1,  # kFmtFp4
+}
 
 
 class CpuKernels:
@@ -116,7 +122,8 @@ class CpuKernels:
         16-column blocks (scaled.repack) for scaled_linear.cpp."""
         n, k = w.shape
         data, scale = scaled.repack(w)
-        layout = f"scaled-{w.fmt}-blocked16"
+        nan = w.fmt == "fp8" and scaled.has_nan_values(w)
+        layout = f"scaled-{w.fmt}{'-nan' if nan else ''}-blocked16"
         return PackedWeight(data, n, k, torch.uint8, layout, scale, group=w.group)
 
     def linear(

@@ -176,11 +176,16 @@ def repack(w: ScaledWeight, block: int = 16) -> tuple[torch.Tensor, torch.Tensor
     return blocked(w.data), blocked(w.scale)
 
 
+def has_nan_values(w: ScaledWeight) -> bool:
+    """True where an fp8 value byte is NaN (e4m3 0x7f / 0xff); fp4 codes are never NaN."""
+    return w.fmt == "fp8" and bool(((w.data & 0x7F) == 0x7F).any())
+
+
 def check_finite(w: ScaledWeight) -> bool:
     """False where a value or scale is NaN (e4m3 0x7f / 0xff, ue8m0 0xff) or a scale is
     not finite: the dequantize-at-load path rejects such a tensor too."""
     if w.fmt == "fp8":
-        return not bool(((w.data & 0x7F) == 0x7F).any()) and bool(torch.isfinite(w.scale).all())
+        return not has_nan_values(w) and bool(torch.isfinite(w.scale).all())
     return not bool((w.scale == 0xFF).any())
 
 

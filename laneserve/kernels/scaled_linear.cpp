@@ -14,6 +14,10 @@
 // FMA chain over k = 0..K-1 starting from 0, then + bias: the fp32 `linear` kernel's
 // chain on the dequantized weight, so the bits equal that kernel's (and do not depend on
 // M, the row tile, or the thread split: parallel over output blocks only).
+//
+// NOTE (registers): the small loops over rows, blocks and halves carry `#pragma GCC
+// unroll`: without it GCC keeps the accumulator arrays on the stack and stores every
+// accumulator on every k (measured: 2.5-3x slower past 4 rows).
 
 #include "ops.h"
 #include "scaled_tiles.h"
@@ -21,7 +25,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -33,20 +36,14 @@ constexpr int kTileRows = 4;  // rows per tile: 8 accumulators + decoded weights
 // (more rows: each scale group is decoded once per column block into a buffer that every
 // row tile reads, scaled_block_buffered)
 
-struct Tables {
-  alignas(32) float e8m0[256];  // ue8m0 byte -> 2^(byte - 127) (NaN for 0xff)
-};
-
-Tables make_tables() {
-  Tables t{};
-  for (int b = 0; b < 256; ++b)
-    t.e8m0[b] = b == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, b - 127);
-  return t;
-}
-
-const Tables& tables() {
-  static const Tables t = make_tables();
-  return t;
+// 8 ue8m0 exponents (zero-extended to 32 bits) -> 2^(e - 127) as fp32, exactly: the
+// exponent field e (e = 0: the subnormal 2^-127; e = 255: NaN), no table.
+inline __m256 e8m0x8(__m256i e) {
+  const __m256i z = _mm256_cmpeq_epi32(e, _mm256_setzero_si256());
+  const __m256i nan = _mm256_cmpeq_epi32(e, _mm256_set1_epi32(255));
+  __m256i bits = _mm256_blendv_epi8(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(0x00400000), z);
+  bits = _mm256_or_si256(bits, _mm256_and_si256(nan, _mm256_set1_epi32(0x7FC00000)));
+  return _mm256_castsi256_ps(bits);
 }
 
 // 16 bytes -> two vectors of their 32-bit zero-extended values (columns 0-7, 8-15).
@@ -60,10 +57,11 @@ inline void widen16(__m128i bytes, __m256i& lo, __m256i& hi) {
 // mantissa << 7: the byte shifted left by 8, then arithmetically right by 1, bit 14 (a
 // copy of the sign) cleared), an fp16 worth 2^-8 times the e4m3 value (fp16's wider
 // exponent keeps e4m3 subnormals, m * 2^-9, as fp16 subnormals), widened exactly by F16C;
-// the 2^8 is folded into the scale (group_fp8). NaN bytes (0x7f / 0xff) become the fp16
+// the 2^8 is folded into the scale (group_fp8). Used for kFmtFp8 (bytes that may be NaN). NaN bytes (0x7f / 0xff) become the fp16
 // NaN 0xffff.
-inline void e4m3x16(__m128i bytes, __m256& lo, __m256& hi) {
-  const __m256i b = _mm256_cvtepu8_epi16(bytes);
+inline void e4m3x16_half(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m256i b =
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)),
                                          _mm256_set1_epi16(0x7F));
   const __m256i placed = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 1);
@@ -71,6 +69,37 @@ inline void e4m3x16(__m128i bytes, __m256& lo, __m256& hi) {
       _mm256_and_si256(placed, _mm256_set1_epi16(static_cast<int16_t>(0xBF80))), nan);
   lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
   hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+// 8 e4m3 bytes that are not NaN -> 2^-120 times their values, in fp32 directly: the byte
+// sign-extended to 32 bits and shifted left by 20 puts its exponent field and mantissa
+// in bits 26..20 (fp32's exponent field's low 4 bits and mantissa's top 3) and copies of
+// the sign in bits 31..27, of which the mask keeps bit 31. e4m3 subnormals become fp32
+// subnormals (exact; this route is not taken when denormals are read as zero). Fewer
+// operations than e4m3x16_half, and no NaN check: kFmtFp8Finite weights hold no NaN byte
+// (checked when packed).
+inline __m256 e4m3x8_single(const uint8_t* p) {
+  const __m256i v =
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_and_si256(
+      _mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int32_t>(0x87F00000u))));
+}
+
+// The decode of format F (kFmtFp8 or kFmtFp8Finite): 16 bytes -> the values times
+// 2^-unit_log2<F>() (columns 0-7, 8-15).
+template <int64_t F>
+constexpr int unit_log2() {
+  return F == kFmtFp8 ? 8 : 120;
+}
+
+template <int64_t F>
+inline void e4m3x16(const uint8_t* p, __m256& lo, __m256& hi) {
+  if constexpr (F == kFmtFp8) {
+    e4m3x16_half(p, lo, hi);
+  } else {
+    lo = e4m3x8_single(p);
+    hi = e4m3x8_single(p + 8);
+  }
 }
 
 // e2m1 code -> bits 16..31 of its fp32 value (the low 16 bits are zero), split into two
@@ -115,56 +144,68 @@ inline void fma_rows(const float* x, int64_t K, int64_t k, __m256 wl, __m256 wh,
   }
 }
 
-// 2^8 * scale, exact unless it overflows: false where a finite scale exceeds 2^119.
+// 2^unit * scale, exact unless it overflows: false where a finite scale exceeds
+// 2^(127 - unit).
+template <int64_t F>
 inline bool scale_folds(__m256 s) {
+  const float max_scale = std::ldexp(1.0f, 127 - unit_log2<F>());
   const __m256 mag = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), s);
-  const __m256 big = _mm256_and_ps(_mm256_cmp_ps(mag, _mm256_set1_ps(0x1p119f), _CMP_GT_OQ),
+  const __m256 big = _mm256_and_ps(_mm256_cmp_ps(mag, _mm256_set1_ps(max_scale), _CMP_GT_OQ),
                                    _mm256_cmp_ps(mag, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
   return _mm256_movemask_ps(big) == 0;
 }
 
+template <int64_t F>
+inline __m256 unit() {
+  return _mm256_set1_ps(std::ldexp(1.0f, unit_log2<F>()));
+}
+
 // Calls f(k, w_lo, w_hi) for each k of scale group g of one column block, with the 16
 // weights of row k decoded to value * scale (columns 0-7, 8-15), k ascending.
-// NOTE (exactness): v = h * 2^8 exactly (h the fp16 of e4m3x16), so h * (2^8 * s) and
-// (h * 2^8) * s round the same real number v * s once: the same bits, where 2^8 * s is
-// exact (scale_folds; else the two multiplies).
-template <typename F>
-inline void group_fp8(const ScaledArgs& a, const uint8_t* w, const float* s, int64_t g, F&& f) {
+// NOTE (exactness): v = h * 2^unit exactly (h the decoded value, e4m3x16), so
+// h * (2^unit * s) and (h * 2^unit) * s round the same real number v * s once: the same
+// bits, where 2^unit * s is exact (scale_folds; else the two multiplies).
+template <int64_t F, typename Fn>
+inline void group_fp8(const ScaledArgs& a, const uint8_t* w, const float* s, int64_t g,
+                      Fn&& f) {
   const __m256 s_lo = _mm256_loadu_ps(s + g * kNB), s_hi = _mm256_loadu_ps(s + g * kNB + 8);
-  const __m256 two8 = _mm256_set1_ps(256.0f);
+  const __m256 u = unit<F>();
   const int64_t k_begin = g * a.group, k_end = std::min(a.K, (g + 1) * a.group);
-  if (scale_folds(s_lo) && scale_folds(s_hi)) {
-    const __m256 t_lo = _mm256_mul_ps(s_lo, two8), t_hi = _mm256_mul_ps(s_hi, two8);
+  if (scale_folds<F>(s_lo) && scale_folds<F>(s_hi)) {
+    const __m256 t_lo = _mm256_mul_ps(s_lo, u), t_hi = _mm256_mul_ps(s_hi, u);
     for (int64_t k = k_begin; k < k_end; ++k) {
       __m256 vl, vh;
-      e4m3x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kNB)), vl, vh);
+      e4m3x16<F>(w + k * kNB, vl, vh);
       f(k, _mm256_mul_ps(vl, t_lo), _mm256_mul_ps(vh, t_hi));
     }
     return;
   }
   for (int64_t k = k_begin; k < k_end; ++k) {
     __m256 vl, vh;
-    e4m3x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kNB)), vl, vh);
-    f(k, _mm256_mul_ps(_mm256_mul_ps(vl, two8), s_lo),
-      _mm256_mul_ps(_mm256_mul_ps(vh, two8), s_hi));
+    e4m3x16<F>(w + k * kNB, vl, vh);
+    f(k, _mm256_mul_ps(_mm256_mul_ps(vl, u), s_lo), _mm256_mul_ps(_mm256_mul_ps(vh, u), s_hi));
   }
 }
 
-template <typename F>
+// The 16 ue8m0 scales of group g of a column block as fp32 (columns 0-7, 8-15).
+inline void fp4_scales(const uint8_t* s, int64_t g, __m256 (&sv)[2]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kNB));
+  sv[0] = e8m0x8(_mm256_cvtepu8_epi32(bytes));
+  sv[1] = e8m0x8(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+}
+
+template <typename Fn>
 inline void group_fp4(const ScaledArgs& a, const uint8_t* w, const uint8_t* s, int64_t g,
-                      F&& f) {
-  const float* e8m0 = tables().e8m0;
-  __m256i si_lo, si_hi;
-  widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kNB)), si_lo, si_hi);
-  const __m256 s_lo = _mm256_i32gather_ps(e8m0, si_lo, 4);
-  const __m256 s_hi = _mm256_i32gather_ps(e8m0, si_hi, 4);
+                      Fn&& f) {
+  __m256 sv[2];
+  fp4_scales(s, g, sv);
   const int64_t j_end = std::min(a.row_bytes, (g + 1) * a.group / 2);
   for (int64_t j = g * a.group / 2; j < j_end; ++j) {
     __m256 v[4];
     e2m1_pair(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * kNB)), v);
-    f(2 * j, _mm256_mul_ps(v[0], s_lo), _mm256_mul_ps(v[1], s_hi));
+    f(2 * j, _mm256_mul_ps(v[0], sv[0]), _mm256_mul_ps(v[1], sv[1]));
     if (2 * j + 1 < a.K)  // odd K: the last byte's high nibble is padding
-      f(2 * j + 1, _mm256_mul_ps(v[2], s_lo), _mm256_mul_ps(v[3], s_hi));
+      f(2 * j + 1, _mm256_mul_ps(v[2], sv[0]), _mm256_mul_ps(v[3], sv[1]));
   }
 }
 
@@ -174,34 +215,30 @@ struct Block {
   const void* s;
 };
 
-inline Block block_of(const ScaledArgs& a, const uint8_t* w, const void* s, bool fp4,
-                      int64_t b) {
+template <int64_t F>
+inline Block block_of(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t b) {
   const int64_t scales = b * a.groups * kNB;
-  const void* sb = fp4 ? static_cast<const void*>(static_cast<const uint8_t*>(s) + scales)
+  const void* sb = F == kFmtFp4
+                       ? static_cast<const void*>(static_cast<const uint8_t*>(s) + scales)
                        : static_cast<const void*>(static_cast<const float*>(s) + scales);
   return {w + b * a.row_bytes * kNB, sb};
 }
 
-template <bool kFp4, typename F>
-inline void for_group(const ScaledArgs& a, Block blk, int64_t g, F&& f) {
-  if constexpr (kFp4) {
+template <int64_t F, typename Fn>
+inline void for_group(const ScaledArgs& a, Block blk, int64_t g, Fn&& f) {
+  if constexpr (F == kFmtFp4) {
     group_fp4(a, blk.w, static_cast<const uint8_t*>(blk.s), g, f);
   } else {
-    group_fp8(a, blk.w, static_cast<const float*>(blk.s), g, f);
+    group_fp8<F>(a, blk.w, static_cast<const float*>(blk.s), g, f);
   }
 }
 
 // The multipliers of column block blk's decoded values in scale group g (columns 0-7,
-// 8-15): fp8 its scales (times 2^8 by the caller where they fold), fp4 2^(e - 127).
-template <bool kFp4>
-inline void group_scales(const ScaledArgs& a, Block blk, int64_t g, __m256 (&sv)[2]) {
-  (void)a;
-  if constexpr (kFp4) {
-    __m256i si_lo, si_hi;
-    const auto* s = static_cast<const uint8_t*>(blk.s) + g * kNB;
-    widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)), si_lo, si_hi);
-    sv[0] = _mm256_i32gather_ps(tables().e8m0, si_lo, 4);
-    sv[1] = _mm256_i32gather_ps(tables().e8m0, si_hi, 4);
+// 8-15): fp8 its scales (times 2^unit by the caller where they fold), fp4 2^(e - 127).
+template <int64_t F>
+inline void group_scales(Block blk, int64_t g, __m256 (&sv)[2]) {
+  if constexpr (F == kFmtFp4) {
+    fp4_scales(static_cast<const uint8_t*>(blk.s), g, sv);
   } else {
     const float* s = static_cast<const float*>(blk.s) + g * kNB;
     sv[0] = _mm256_loadu_ps(s);
@@ -212,6 +249,7 @@ inline void group_scales(const ScaledArgs& a, Block blk, int64_t g, __m256 (&sv)
 template <int R, int C>
 inline void fma_block(const float* x, int64_t K, int64_t k, int c, __m256 wl, __m256 wh,
                       __m256 (&acc)[R][C][2]) {
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
     acc[r][c][0] = _mm256_fmadd_ps(xb, wl, acc[r][c][0]);
@@ -226,6 +264,7 @@ inline void tile_group_fp4(const ScaledArgs& a, const Block (&blk)[C], int64_t g
   const int64_t j_end = std::min(a.row_bytes, (g + 1) * a.group / 2);
   for (int64_t j = g * a.group / 2; j < j_end; ++j) {
     const bool odd = 2 * j + 1 < a.K;  // odd K: the last byte's high nibble is padding
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       __m256 v[4];
       e2m1_pair(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[c].w + j * kNB)), v);
@@ -238,20 +277,21 @@ inline void tile_group_fp4(const ScaledArgs& a, const Block (&blk)[C], int64_t g
   }
 }
 
-// One fp8 scale group of C blocks, interleaved per k; kFold: sv holds 2^8 * scale
-// (group_fp8's NOTE), else the scale, with the 2^8 applied first.
-template <int R, int C, bool kFold>
+// One fp8 scale group of C blocks, interleaved per k; kFold: sv holds 2^unit * scale
+// (group_fp8's NOTE), else the scale, with the 2^unit applied first.
+template <int R, int C, int64_t F, bool kFold>
 inline void tile_group_fp8(const ScaledArgs& a, const Block (&blk)[C], int64_t g,
                            const __m256 (&sv)[C][2], const float* x, __m256 (&acc)[R][C][2]) {
-  const __m256 two8 = _mm256_set1_ps(256.0f);
+  const __m256 u = unit<F>();
   const int64_t k_end = std::min(a.K, (g + 1) * a.group);
   for (int64_t k = g * a.group; k < k_end; ++k) {
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       __m256 vl, vh;
-      e4m3x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[c].w + k * kNB)), vl, vh);
+      e4m3x16<F>(blk[c].w + k * kNB, vl, vh);
       if constexpr (!kFold) {
-        vl = _mm256_mul_ps(vl, two8);
-        vh = _mm256_mul_ps(vh, two8);
+        vl = _mm256_mul_ps(vl, u);
+        vh = _mm256_mul_ps(vh, u);
       }
       fma_block<R, C>(x, a.K, k, c, _mm256_mul_ps(vl, sv[c][0]), _mm256_mul_ps(vh, sv[c][1]),
                       acc);
@@ -262,34 +302,43 @@ inline void tile_group_fp8(const ScaledArgs& a, const Block (&blk)[C], int64_t g
 // Up to kTileRows rows x C column blocks (b0..b0+C-1): the weights decoded in registers,
 // the blocks interleaved so that R * C * 2 FMA chains are in flight (one block at one
 // row would wait on the FMA latency), accumulators kept in registers.
-template <int R, int C, bool kFp4>
+template <int R, int C, int64_t F>
 void scaled_tile(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t m0,
                  int64_t b0) {
   Block blk[C];
-  for (int c = 0; c < C; ++c) blk[c] = block_of(a, w, s, kFp4, b0 + c);
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) blk[c] = block_of<F>(a, w, s, b0 + c);
   __m256 acc[R][C][2];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
   const float* x = a.x + m0 * a.K;
   for (int64_t g = 0; g < a.groups; ++g) {
     __m256 sv[C][2];
     bool fold = true;
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      group_scales<kFp4>(a, blk[c], g, sv[c]);
-      if constexpr (!kFp4) fold = fold && scale_folds(sv[c][0]) && scale_folds(sv[c][1]);
+      group_scales<F>(blk[c], g, sv[c]);
+      if constexpr (F != kFmtFp4)
+        fold = fold && scale_folds<F>(sv[c][0]) && scale_folds<F>(sv[c][1]);
     }
-    if constexpr (kFp4) {
+    if constexpr (F == kFmtFp4) {
       tile_group_fp4<R, C>(a, blk, g, sv, x, acc);
     } else if (fold) {
+#pragma GCC unroll 8
       for (int c = 0; c < C; ++c)
-        for (int h = 0; h < 2; ++h) sv[c][h] = _mm256_mul_ps(sv[c][h], _mm256_set1_ps(256.0f));
-      tile_group_fp8<R, C, true>(a, blk, g, sv, x, acc);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) sv[c][h] = _mm256_mul_ps(sv[c][h], unit<F>());
+      tile_group_fp8<R, C, F, true>(a, blk, g, sv, x, acc);
     } else {
-      tile_group_fp8<R, C, false>(a, blk, g, sv, x, acc);
+      tile_group_fp8<R, C, F, false>(a, blk, g, sv, x, acc);
     }
   }
+#pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
     __m256 one[R][2];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       one[r][0] = acc[r][c][0];
       one[r][1] = acc[r][c][1];
@@ -304,14 +353,22 @@ template <int R>
 void tile_from_buffer(const ScaledArgs& a, const float* wbuf, int64_t k0, int64_t n,
                       int64_t m0, float* acc_rows) {
   __m256 acc[R][2];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     acc[r][0] = _mm256_loadu_ps(acc_rows + r * kNB);
     acc[r][1] = _mm256_loadu_ps(acc_rows + r * kNB + 8);
   }
   const float* x = a.x + m0 * a.K;
-  for (int64_t i = 0; i < n; ++i)
-    fma_rows<R>(x, a.K, k0 + i, _mm256_loadu_ps(wbuf + i * kNB),
-                _mm256_loadu_ps(wbuf + i * kNB + 8), acc);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 wl = _mm256_loadu_ps(wbuf + i * kNB), wh = _mm256_loadu_ps(wbuf + i * kNB + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * a.K + k0 + i);
+      acc[r][0] = _mm256_fmadd_ps(xb, wl, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xb, wh, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(acc_rows + r * kNB, acc[r][0]);
     _mm256_storeu_ps(acc_rows + r * kNB + 8, acc[r][1]);
@@ -321,6 +378,7 @@ void tile_from_buffer(const ScaledArgs& a, const float* wbuf, int64_t k0, int64_
 template <int R>
 void final_tile(const ScaledArgs& a, const float* acc_rows, int64_t m0, int64_t b) {
   __m256 acc[R][2];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     acc[r][0] = _mm256_loadu_ps(acc_rows + r * kNB);
     acc[r][1] = _mm256_loadu_ps(acc_rows + r * kNB + 8);
@@ -328,86 +386,96 @@ void final_tile(const ScaledArgs& a, const float* acc_rows, int64_t m0, int64_t 
   store_block<R>(acc, a.bias, a.out, a.N, m0, b * kNB);
 }
 
+constexpr int kBufferRows = 6;  // rows per tile over a decoded group: 12 accumulators
+
+// Calls f(std::integral_constant<int, R>) for R = min(rows, kBufferRows).
+template <typename Fn>
+inline void with_buffer_rows(int64_t rows, Fn&& f) {
+  switch (std::min<int64_t>(rows, kBufferRows)) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    default: return f(std::integral_constant<int, 6>{});
+  }
+}
+
 // More than kTileRows rows: each scale group of the block is decoded once into wbuf and
 // every row tile multiplies from it (the decode is not repeated per tile); the same
 // products and the same FMA chain per output as scaled_tile.
-template <bool kFp4>
+template <int64_t F>
 void scaled_block_buffered(const ScaledArgs& a, Block blk, int64_t b, float* wbuf,
                            float* accbuf) {
   std::fill(accbuf, accbuf + a.M * kNB, 0.0f);
   for (int64_t g = 0; g < a.groups; ++g) {
     const int64_t k0 = g * a.group;
     int64_t n = 0;
-    for_group<kFp4>(a, blk, g, [&](int64_t k, __m256 wl, __m256 wh) {
+    for_group<F>(a, blk, g, [&](int64_t k, __m256 wl, __m256 wh) {
       _mm256_storeu_ps(wbuf + (k - k0) * kNB, wl);
       _mm256_storeu_ps(wbuf + (k - k0) * kNB + 8, wh);
       n = k - k0 + 1;
     });
-    for (int64_t m0 = 0; m0 < a.M; m0 += kTileRows) {
-      float* rows = accbuf + m0 * kNB;
-      switch (std::min<int64_t>(kTileRows, a.M - m0)) {
-        case 1: tile_from_buffer<1>(a, wbuf, k0, n, m0, rows); break;
-        case 2: tile_from_buffer<2>(a, wbuf, k0, n, m0, rows); break;
-        case 3: tile_from_buffer<3>(a, wbuf, k0, n, m0, rows); break;
-        default: tile_from_buffer<4>(a, wbuf, k0, n, m0, rows); break;
-      }
-    }
+    for (int64_t m0 = 0; m0 < a.M; m0 += kBufferRows)
+      with_buffer_rows(a.M - m0, [&](auto r) {
+        tile_from_buffer<decltype(r)::value>(a, wbuf, k0, n, m0, accbuf + m0 * kNB);
+      });
   }
-  for (int64_t m0 = 0; m0 < a.M; m0 += kTileRows) {
-    const float* rows = accbuf + m0 * kNB;
-    switch (std::min<int64_t>(kTileRows, a.M - m0)) {
-      case 1: final_tile<1>(a, rows, m0, b); break;
-      case 2: final_tile<2>(a, rows, m0, b); break;
-      case 3: final_tile<3>(a, rows, m0, b); break;
-      default: final_tile<4>(a, rows, m0, b); break;
-    }
-  }
+  for (int64_t m0 = 0; m0 < a.M; m0 += kBufferRows)
+    with_buffer_rows(a.M - m0, [&](auto r) {
+      final_tile<decltype(r)::value>(a, accbuf + m0 * kNB, m0, b);
+    });
 }
 
 // Column blocks b0..b1-1 of rows 0..R-1 (R <= kTileRows): C blocks per tile, enough
 // for >= 8 FMA chains where the registers allow (as linear.cpp's cols_for_rows).
-template <int R, bool kFp4>
+template <int R, int64_t F>
 void scaled_blocks(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t b0,
                    int64_t b1) {
   constexpr int C = R == 1 ? 4 : (R == 2 ? 2 : 1);
   int64_t b = b0;
-  for (; b + C <= b1; b += C) scaled_tile<R, C, kFp4>(a, w, s, 0, b);
-  for (; b < b1; ++b) scaled_tile<R, 1, kFp4>(a, w, s, 0, b);
+  for (; b + C <= b1; b += C) scaled_tile<R, C, F>(a, w, s, 0, b);
+  for (; b < b1; ++b) scaled_tile<R, 1, F>(a, w, s, 0, b);
 }
 
-template <bool kFp4>
+template <int64_t F>
 void scaled_few_rows(const ScaledArgs& a, const uint8_t* w, const void* s, int64_t b0,
                      int64_t b1) {
   switch (a.M) {
-    case 1: return scaled_blocks<1, kFp4>(a, w, s, b0, b1);
-    case 2: return scaled_blocks<2, kFp4>(a, w, s, b0, b1);
-    case 3: return scaled_blocks<3, kFp4>(a, w, s, b0, b1);
-    default: return scaled_blocks<4, kFp4>(a, w, s, b0, b1);
+    case 1: return scaled_blocks<1, F>(a, w, s, b0, b1);
+    case 2: return scaled_blocks<2, F>(a, w, s, b0, b1);
+    case 3: return scaled_blocks<3, F>(a, w, s, b0, b1);
+    default: return scaled_blocks<4, F>(a, w, s, b0, b1);
   }
 }
 
-template <bool kFp4>
+template <int64_t F>
 void scaled_driver(const ScaledArgs& a, const uint8_t* w, const void* s) {
   const int64_t nblk = (a.N + kNB - 1) / kNB;
   const int64_t per_block = std::max<int64_t>(1, a.M * a.K * kNB);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_block);
   // NOTE: parallel over output blocks only (never over K): the split changes no bit.
   at::parallel_for(0, nblk, grain, [&](int64_t lo, int64_t hi) {
-    if (a.M <= kTileRows) return scaled_few_rows<kFp4>(a, w, s, lo, hi);
+    if (a.M <= kTileRows) return scaled_few_rows<F>(a, w, s, lo, hi);
     std::vector<float> wbuf(static_cast<size_t>(a.group * kNB));
     std::vector<float> accbuf(static_cast<size_t>(a.M * kNB));
     for (int64_t b = lo; b < hi; ++b)
-      scaled_block_buffered<kFp4>(a, block_of(a, w, s, kFp4, b), b, wbuf.data(),
-                                  accbuf.data());
+      scaled_block_buffered<F>(a, block_of<F>(a, w, s, b), b, wbuf.data(), accbuf.data());
   });
 }
+
+// Denormals read as zero (MXCSR.DAZ, e.g. torch.set_flush_denormal(True)) would zero the
+// e4m3 subnormals that e4m3x8_single leaves as fp32 subnormals: fp8 then takes the fp16
+// decode, which F16C widens exactly regardless.
+inline bool denormals_are_zero() { return (_mm_getcsr() & (1u << 6)) != 0; }
 
 }  // namespace
 
 at::Tensor scaled_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale,
                          int64_t n_out, int64_t fmt, int64_t group,
                          const std::optional<at::Tensor>& bias_in, int64_t isa) {
-  TORCH_CHECK(fmt == kFmtFp8 || fmt == kFmtFp4, "scaled_linear: unknown format ", fmt);
+  TORCH_CHECK(fmt == kFmtFp8 || fmt == kFmtFp4 || fmt == kFmtFp8Finite,
+              "scaled_linear: unknown format ", fmt);
   TORCH_CHECK(isa >= 0 && isa <= 2, "scaled_linear: unknown isa ", isa);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
               "scaled_linear: x must be a 2-D float32 tensor");
@@ -445,9 +513,11 @@ at::Tensor scaled_linear(const at::Tensor& x_in, const at::Tensor& w, const at::
     return out;
   }
   if (fp4)
-    scaled_driver<true>(a, wp, scale.data_ptr<uint8_t>());
+    scaled_driver<kFmtFp4>(a, wp, sp);
+  else if (fmt == kFmtFp8Finite && !denormals_are_zero())
+    scaled_driver<kFmtFp8Finite>(a, wp, sp);
   else
-    scaled_driver<false>(a, wp, scale.data_ptr<float>());
+    scaled_driver<kFmtFp8>(a, wp, sp);
   return out;
 }
 

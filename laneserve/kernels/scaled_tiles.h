@@ -9,6 +9,7 @@ namespace laneserve {
 
 constexpr int64_t kFmtFp8 = 0;  // scaled.FORMATS order
 constexpr int64_t kFmtFp4 = 1;
+constexpr int64_t kFmtFp8Finite = 2;  // fp8 whose bytes hold no NaN (checked when packed)
 
 // One scaled_linear call: y[M, N] = x[M, K] @ W^T (+ bias), W as values [nblk, row_bytes,
 // 16] (row_bytes = K for fp8, ceil(K / 2) for fp4) and scales [nblk, groups, 16], a scale

@@ -316,3 +316,47 @@ def test_cpu_kernel_nan_bytes_give_nan(variant: CpuKernels) -> None:
     for rows in (1, 10):
         out = variant.linear(torch.ones(rows, 64), packed)
         assert torch.isnan(out[-1]).nonzero().flatten().tolist() == [7]
+
+
+def test_nan_free_fp8_takes_the_unchecked_decode(ck: CpuKernels, variant: CpuKernels) -> None:
+    """fp8 weights without NaN bytes (all that the loader keeps) pack as the op's format 2,
+    whose AVX2 decode skips the NaN check; with NaN bytes as format 0. Both formats give
+    the same bits on NaN-free bytes, for decode rows and for buffered prompt rows (6-row
+    tiles and their remainders)."""
+    w = make("fp8", 70, 300, seed=3)
+    packed = variant.pack_scaled_weight(w)
+    assert packed.layout == "scaled-fp8-blocked16"
+    bad = w.data.clone()
+    bad[0, 0] = 0x7F
+    nan_layout = variant.pack_scaled_weight(ScaledWeight(bad, w.scale, "fp8", 300, w.group))
+    assert nan_layout.layout == "scaled-fp8-nan-blocked16"
+    op = torch.ops.laneserve.scaled_linear
+    x = torch.randn(13, 300, generator=torch.Generator().manual_seed(2))
+    for rows in (1, 2, 4, 5, 7, 13):
+        outs = [
+            op(x[:rows], packed.data, packed.scale, 70, fmt, w.group, None, variant.scaled_isa)
+            for fmt in (0, 2)
+        ]
+        assert torch.equal(outs[0], outs[1])
+    with pytest.raises(RuntimeError, match="unknown format"):
+        op(x[:1], packed.data, packed.scale, 70, 3, w.group, None, variant.scaled_isa)
+
+
+def test_denormals_are_zero_keeps_fp8_subnormals(ck: CpuKernels, variant: CpuKernels) -> None:
+    """With denormals read as zero (torch.set_flush_denormal(True)) the e4m3 subnormals
+    (exponent field 0) still count: the AVX2 kernel's fp32 decode, which would make them
+    fp32 subnormals, is not taken then."""
+    g = torch.Generator().manual_seed(9)
+    raw = torch.randint(0, 8, (48, 64), generator=g, dtype=torch.uint8)  # subnormals and 0
+    raw |= torch.randint(0, 2, (48, 64), generator=g, dtype=torch.uint8) << 7
+    w = scaled.from_fp8_blocks(raw.view(torch.float8_e4m3fn), torch.ones(1, 1), (128, 128))
+    x = torch.randn(3, 64, generator=g)
+    want = ck.linear(x, ck.pack_linear_weight(scaled.dequantize(w)))
+    assert want.abs().sum() > 0
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got = variant.linear(x, variant.pack_scaled_weight(w))
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(got, want)
