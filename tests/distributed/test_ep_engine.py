@@ -47,6 +47,7 @@ def engaged(llm: LLM) -> LockstepCore:
     return core
 
 
+@pytest.mark.slow
 def test_v3_mtp_async_equals_one_device_and_an_idle_rank_steps(v3_mtp: Path) -> None:
     """MTP k = 2 with async scheduling: the drafts' MoE layer joins the exchanges; one
     request alone leaves rank 1 with empty steps only (it must not hang)."""

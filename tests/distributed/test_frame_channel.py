@@ -91,6 +91,7 @@ def test_a_silent_peer_times_out_instead_of_hanging(
         worker.recv_bytes()
 
 
+@pytest.mark.slow
 def test_a_killed_peer_fails_receive_send_and_heartbeat(store: dist.TCPStore) -> None:
     port = store.port
     proc = subprocess.Popen(

@@ -28,6 +28,7 @@ def _run_leader(model: Path, follower: str, fault: str, tmp_path: Path) -> tuple
     return p.exitcode or 0, json.loads(out.read_text()) if out.exists() else {}
 
 
+@pytest.mark.slow
 def test_a_request_rank_0_fails_alone_is_skipped_by_every_rank(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:

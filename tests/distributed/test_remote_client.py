@@ -77,6 +77,7 @@ def _fake(port: int, digest: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_ready_idle_death_restart_and_shutdown(port: int, store: dist.TCPStore) -> None:
     config = _config(port)
     first = _fake(port, config_digest(config))

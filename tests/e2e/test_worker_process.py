@@ -42,6 +42,7 @@ def kill_worker_while_decoding(eng: LLMEngine) -> tuple[list, int]:
     return finished, steps
 
 
+@pytest.mark.slow
 def test_killed_worker_fails_in_flight_requests_then_restarts(tiny_models: dict[str, Path]) -> None:
     model = tiny_models["qwen2"]
     eng = process_engine(model)
@@ -86,7 +87,7 @@ def test_bad_model_in_worker_process_is_a_clear_error(tmp_path: Path) -> None:
         process_engine(tmp_path)
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_profile_dir_traces_and_analyzer(
     tiny_models: dict[str, Path], tmp_path: Path, mode: str
 ) -> None:

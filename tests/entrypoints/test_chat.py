@@ -148,6 +148,7 @@ def _worker_pid(chat_pid: int) -> int:
     raise AssertionError(f"process {chat_pid} has no worker process")
 
 
+@pytest.mark.slow
 def test_chat_streams_resets_and_exits(tiny_models: dict[str, Path]) -> None:
     child = _spawn_chat(tiny_models["llama"], "--max-tokens", "6", "--ignore-eos")
     child.expect(">>> ")

@@ -172,6 +172,7 @@ def _python(code: str, *args: str, **kwargs) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs Linux /proc/locks")
 def test_concurrent_loaders_build_once(tmp_path: Path) -> None:
     """Two processes loading into the same empty build directory: the first builds while

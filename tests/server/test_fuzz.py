@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 from tests.server.conftest import LIMITED, MAX_N, Server
 
+pytestmark = pytest.mark.slow  # fuzzers: many generated requests each (CI runs them)
+
 # integers near every boundary a field has: 0, vocab (320), max_model_len (256),
 # 32 / 64 bits, and far beyond them
 edge_ints = st.sampled_from(

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 from tests.server.conftest import VLLM_STYLE, Server
 from tests.server.test_fuzz import anything, fuzz_settings, texts
 
+pytestmark = pytest.mark.slow  # fuzzers: many generated requests each (CI runs them)
+
 INNOCENT = {"prompt": "The old lighthouse", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 counts = st.sampled_from([0, 1, 3, 1000, 10_001, 1_000_000])
