@@ -51,7 +51,7 @@ def check_against_hf(d: Path, prompts: list[list[int]], got: list[list[int]], n:
 LENGTHS = [37, 9, 60, 22, 3, 45]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_single_and_batched_match_hf(deepseek_v4_model: Path, async_scheduling: bool) -> None:
     d = deepseek_v4_model
     prompts = prompts_of(LENGTHS, seed=0)
@@ -62,7 +62,7 @@ def test_single_and_batched_match_hf(deepseek_v4_model: Path, async_scheduling: 
     check_against_hf(d, prompts, batched)
 
 
-@pytest.mark.parametrize("chunk", [3, 7])
+@pytest.mark.parametrize("chunk", [pytest.param(3, marks=pytest.mark.slow), 7])
 def test_chunked_prefill_matches_hf(deepseek_v4_model: Path, chunk: int) -> None:
     d = deepseek_v4_model
     prompts = prompts_of([37, 22, 45], seed=1)
@@ -72,7 +72,7 @@ def test_chunked_prefill_matches_hf(deepseek_v4_model: Path, chunk: int) -> None
     check_against_hf(d, prompts, got)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_preemption_and_resume_match_hf(deepseek_v4_model: Path, async_scheduling: bool) -> None:
     d = deepseek_v4_model
     prompts = prompts_of([30, 18, 26, 12, 40], seed=2)

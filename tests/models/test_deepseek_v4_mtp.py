@@ -139,7 +139,7 @@ def test_bfloat16_speculative_greedy_equals_plain(with_mtp: Path) -> None:
     assert spec == plain
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_exact_mtp_layer_accepted_fully(tmp_path: Path, async_scheduling: bool) -> None:
     """The benchmark's exact-MTP checkpoint (a deciding layer, inert layers behind it,
     an MTP layer copying the first): every draft of k = 2 is accepted, and the tokens
