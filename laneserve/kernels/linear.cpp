@@ -121,23 +121,9 @@ void linear_row_tile(const LinearArgs& a, const W* w, int64_t m0, int64_t b0, in
   for (; b < b1; ++b) linear_tile<W, R, 1>(a, w, m0, b);
 }
 
-// Calls f(std::integral_constant<int, R>) for rows = R in 1..kMaxRows: the row
-// count of a tile becomes a template argument (both linear ISAs use it).
-template <typename F>
-void with_rows(int rows, F&& f) {
-  switch (rows) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, 6>{});
-  }
-}
-
 template <typename W>
 void linear_rows(const LinearArgs& a, const W* w, int64_t m0, int rows, int64_t b0, int64_t b1) {
-  with_rows(rows, [&](auto r) { linear_row_tile<W, decltype(r)::value>(a, w, m0, b0, b1); });
+  with_rows<kMaxRows>(rows, [&](auto r) { linear_row_tile<W, decltype(r)::value>(a, w, m0, b0, b1); });
 }
 
 template <typename W>
@@ -284,7 +270,9 @@ void linear_row_tile512(const LinearArgs& a, const W* w, int64_t m0, int64_t b0,
 template <typename W>
 void linear_rows512(const LinearArgs& a, const W* w, int64_t m0, int rows, int64_t b0,
                     int64_t b1) {
-  with_rows(rows, [&](auto r) { linear_row_tile512<W, decltype(r)::value>(a, w, m0, b0, b1); });
+  with_rows<kMaxRows>(rows, [&](auto r) {
+    linear_row_tile512<W, decltype(r)::value>(a, w, m0, b0, b1);
+  });
 }
 
 template <typename W>

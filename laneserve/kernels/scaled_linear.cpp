@@ -388,19 +388,6 @@ void final_tile(const ScaledArgs& a, const float* acc_rows, int64_t m0, int64_t 
 
 constexpr int kBufferRows = 6;  // rows per tile over a decoded group: 12 accumulators
 
-// Calls f(std::integral_constant<int, R>) for R = min(rows, kBufferRows).
-template <typename Fn>
-inline void with_buffer_rows(int64_t rows, Fn&& f) {
-  switch (std::min<int64_t>(rows, kBufferRows)) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, 6>{});
-  }
-}
-
 // More than kTileRows rows: each scale group of the block is decoded once into wbuf and
 // every row tile multiplies from it (the decode is not repeated per tile); the same
 // products and the same FMA chain per output as scaled_tile.
@@ -417,12 +404,12 @@ void scaled_block_buffered(const ScaledArgs& a, Block blk, int64_t b, float* wbu
       n = k - k0 + 1;
     });
     for (int64_t m0 = 0; m0 < a.M; m0 += kBufferRows)
-      with_buffer_rows(a.M - m0, [&](auto r) {
+      with_rows<kBufferRows>(a.M - m0, [&](auto r) {
         tile_from_buffer<decltype(r)::value>(a, wbuf, k0, n, m0, accbuf + m0 * kNB);
       });
   }
   for (int64_t m0 = 0; m0 < a.M; m0 += kBufferRows)
-    with_buffer_rows(a.M - m0, [&](auto r) {
+    with_rows<kBufferRows>(a.M - m0, [&](auto r) {
       final_tile<decltype(r)::value>(a, accbuf + m0 * kNB, m0, b);
     });
 }

@@ -418,17 +418,6 @@ inline void column_tiles(int64_t b, int64_t hi, Tile&& tile) {
   if constexpr (C > 1) column_tiles<C / 2>(b, hi, tile);
 }
 
-// f(Count<rows>{}) for 1 <= rows <= R.
-template <int R, typename F>
-inline void with_rows(int64_t rows, F&& f) {
-  if constexpr (R == 1) {
-    f(Count<1>{});
-  } else {
-    if (rows == R) return f(Count<R>{});
-    with_rows<R - 1>(rows, f);
-  }
-}
-
 // Rows m0..m0+R-1 over n decoded k from k0 (buf: [n][C][16]); accumulators loaded from
 // and stored back to accbuf ([M][C][16]).
 template <int R, int C>

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace laneserve {
 
@@ -165,6 +166,18 @@ inline void convert_row(const float* src, T* dst, int64_t n) {
 // packs its bf16 weights permuted to match; attention keeps q and acc in that order.
 
 constexpr int64_t kNB = 16;    // output columns per packed block
+
+// Calls f(std::integral_constant<int, R>{}) with R = min(rows, N) (rows >= 1): a tile's
+// row count as a template argument.
+template <int N, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (N == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else {
+    if (rows >= N) return f(std::integral_constant<int, N>{});
+    with_rows<N - 1>(rows, f);
+  }
+}
 
 // Loads one k row (16 columns) of a packed block as two fp32 vectors.
 inline void load_w16(const float* p, __m256& lo, __m256& hi) {

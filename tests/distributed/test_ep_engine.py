@@ -16,6 +16,7 @@ from laneserve.core.lockstep import PEER_DIED, LockstepCore
 from laneserve.engine_args import EngineArgs
 from laneserve.frontend.engine import LLMEngine
 from tests.e2e.test_tiny_models import mixed_prompts, run
+from tests.models.tiny_deepseek_v32 import build_copying_mtp, build_tiny_deepseek_v32
 from tests.tiny_models import add_mtp_layer, build_tiny_deepseek, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -28,14 +29,20 @@ def v3_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return add_mtp_layer(d, seed=4)
 
 
-def assert_equals_one_device(model: Path, prompts: list[list[int]], kw: dict) -> None:
-    """Greedy tokens with expert parallelism (engaged, both ranks served) == one device's."""
+def assert_equals_one_device(
+    model: Path, prompts: list[list[int]], kw: dict, drafts: bool = False
+) -> None:
+    """Greedy tokens with expert parallelism (engaged, both ranks served) == one device's;
+    `drafts`: every rank also proposed drafts and had some accepted."""
     with LLM(str(model), **kw) as llm:
         want = run(llm, prompts, GREEDY)
     with LLM(str(model), **EP, **kw) as llm:
         core = engaged(llm)
         got = run(llm, prompts, GREEDY)
         assert min(core.router.routed) >= 1
+        for rank in core.ranks if drafts else ():
+            stats = rank.scheduler.stats
+            assert stats.num_drafts > 0 and stats.num_accepted > 0
     assert got == want
 
 
@@ -93,8 +100,6 @@ def test_v4_equals_one_device(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_v32_equals_one_device(tmp_path: Path) -> None:
     """V3.2: sparse attention over the indexer's selection, its MoE divided."""
-    from tests.models.tiny_deepseek_v32 import build_tiny_deepseek_v32
-
     d = build_tiny_deepseek_v32(tmp_path / "v32", seed=0, index_topk=6)
     prompts = mixed_prompts(4, seed=2)
     assert_equals_one_device(d, prompts, {"dtype": "float32", "async_scheduling": True})
@@ -104,23 +109,11 @@ def test_v32_equals_one_device(tmp_path: Path) -> None:
 def test_v32_mtp_equals_one_device(tmp_path: Path) -> None:
     """V3.2's MTP layer (k = 2; a MoE copy of the target's layer, so its drafts are
     mostly accepted): the drafts' MoE layer joins the exchanges on each rank."""
-    from tests.models.tiny_deepseek_v32 import build_copying_mtp, build_tiny_deepseek_v32
-
     src = build_tiny_deepseek_v32(tmp_path / "v32", seed=0, index_topk=6)
     d = build_copying_mtp(src, tmp_path / "copy")
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     kw: dict = {"dtype": "float32", "async_scheduling": True, "speculative_config": spec}
-    prompts = mixed_prompts(4, seed=2, lo=8, hi=40)
-    with LLM(str(d), **kw) as llm:
-        want = run(llm, prompts, GREEDY)
-    with LLM(str(d), **EP, **kw) as llm:
-        core = engaged(llm)
-        got = run(llm, prompts, GREEDY)
-        assert min(core.router.routed) >= 1
-        for rank in core.ranks:  # speculation engaged on each rank
-            stats = rank.scheduler.stats
-            assert stats.num_drafts > 0 and stats.num_accepted > 0
-    assert got == want
+    assert_equals_one_device(d, mixed_prompts(4, seed=2, lo=8, hi=40), kw, drafts=True)
 
 
 @pytest.mark.slow

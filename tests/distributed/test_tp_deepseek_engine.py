@@ -15,6 +15,7 @@ from tests.distributed.tp_engine import (
     two_ranks,
 )
 from tests.e2e.test_tiny_models import mixed_prompts, run
+from tests.models.tiny_deepseek_v32 import build_copying_mtp, build_tiny_deepseek_v32
 from tests.tiny_models import build_exact_deepseek_mtp, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -37,6 +38,13 @@ def test_two_ranks_with_the_mtp_layer_drafting(tmp_path: Path) -> None:
     # target's next token most of the time, so accepted drafts prove the head engaged
     d = build_exact_deepseek_mtp(tmp_path / "mtp", keep_attention=True)
     prompts = mixed_prompts(4, seed=12, lo=3, hi=40)
+    got = two_ranks_draft_as_one_device(d, prompts)
+    assert got[0] == hf_greedy(d, prompts[0], 24)
+
+
+def two_ranks_draft_as_one_device(d: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of two ranks drafting with MTP k = 2 (async), asserted equal to one
+    device's without speculation, with drafts proposed and accepted."""
     with LLM(str(d), dtype="float32") as llm:
         want = run(llm, prompts, GREEDY)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
@@ -45,7 +53,7 @@ def test_two_ranks_with_the_mtp_layer_drafting(tmp_path: Path) -> None:
         stats = llm.get_stats()
     assert got == want
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] > 0, stats
-    assert got[0] == hf_greedy(d, prompts[0], 24)
+    return got
 
 
 @pytest.mark.slow
@@ -78,8 +86,6 @@ def test_an_uneven_head_count_is_refused_at_start(tmp_path: Path) -> None:
 def test_v32_two_ranks_generate_what_one_device_does(tmp_path: Path) -> None:
     """V3.2: MLA's heads split, the indexer whole on each rank (`index_topk` 6, so the
     selection drops tokens of these prompts)."""
-    from tests.models.tiny_deepseek_v32 import build_tiny_deepseek_v32
-
     d = build_tiny_deepseek_v32(tmp_path / "v32", seed=3, index_topk=6)
     prompts = mixed_prompts(4, seed=21, lo=8, hi=40)
     assert_two_ranks_generate_what_one_device_does(str(d), prompts, (True,))
@@ -89,16 +95,6 @@ def test_v32_two_ranks_generate_what_one_device_does(tmp_path: Path) -> None:
 def test_v32_two_ranks_with_the_mtp_layer_drafting(tmp_path: Path) -> None:
     """V3.2's MTP layer (its own indexer whole on each rank, MLA's heads split) copying
     the target's one layer: accepted drafts, one device's tokens."""
-    from tests.models.tiny_deepseek_v32 import build_copying_mtp, build_tiny_deepseek_v32
-
     src = build_tiny_deepseek_v32(tmp_path / "v32", seed=3, index_topk=6)
     d = build_copying_mtp(src, tmp_path / "copy")
-    prompts = mixed_prompts(4, seed=12, lo=8, hi=40)
-    with LLM(str(d), dtype="float32") as llm:
-        want = run(llm, prompts, GREEDY)
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
-    with two_ranks(str(d), async_scheduling=True, speculative_config=spec) as llm:
-        got = run(llm, prompts, GREEDY)
-        stats = llm.get_stats()
-    assert got == want
-    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted"] > 0, stats
+    two_ranks_draft_as_one_device(d, mixed_prompts(4, seed=12, lo=8, hi=40))

@@ -36,7 +36,8 @@ def with_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return add_mtp_layer(d, seed=4)
 
 
-def _prefill_meta(n: int) -> AttentionMetadata:
+def prefill_meta(n: int) -> AttentionMetadata:
+    """Metadata of one n-token prompt chunk from position 0 (16-token blocks 0, 1, ...)."""
     return AttentionMetadata(
         slot_mapping=torch.arange(n),
         num_decode_tokens=0,
@@ -57,8 +58,8 @@ def test_draft_equals_transformers_mtp_layer(with_mtp: Path) -> None:
     ids = torch.tensor(mixed_prompts(1, seed=9, lo=40, hi=40)[0])
     n, latent = ids.shape[0], ckpt.arch.deepseek.latent_dim
     caches = [(torch.zeros(4, 16, 1, latent),) for _ in range(4)]
-    hidden, _ = base.forward(ids, torch.arange(n), _prefill_meta(n), caches[:3])
-    out = head.forward(ids[1:], hidden[:-1], torch.arange(n - 1), _prefill_meta(n - 1), caches[3])
+    hidden, _ = base.forward(ids, torch.arange(n), prefill_meta(n), caches[:3])
+    out = head.forward(ids[1:], hidden[:-1], torch.arange(n - 1), prefill_meta(n - 1), caches[3])
     got = head.head(out)  # [n - 1, V]
     hf = _cached_model(str(with_mtp))
     layer = hf_mtp_layer(with_mtp)

@@ -26,12 +26,12 @@ from laneserve.model.arch import ArchConfig
 from laneserve.model.deepseek_v32 import indexer
 from laneserve.model.deepseek_v32.model import DeepseekV32Model
 from laneserve.model.deepseek_v32.mtp import DeepseekV32MtpHead, load_deepseek_v32_mtp
-from laneserve.model.layers.attention import AttentionMetadata, PrefillSpan
+from laneserve.model.layers.attention import AttentionMetadata
 from laneserve.model.loader import resolve_checkpoint
 from laneserve.model.registry import family_for, open_weights
 from tests.e2e.test_tiny_models import mixed_prompts, run
 from tests.models.dsv32_reference import ReferenceV32
-from tests.models.test_deepseek_mtp import refused_head_options
+from tests.models.test_deepseek_mtp import prefill_meta, refused_head_options
 from tests.models.tiny_deepseek_v32 import (
     INDEX_DIM,
     KV_LORA,
@@ -120,17 +120,6 @@ def test_cache_groups_add_the_mtp_layers_latents_and_indexer_keys() -> None:
     assert [g.name for g in family_for(arch).cache_groups(arch, 16, 4, 0)] == ["main", "indexer"]
 
 
-def _prefill(n: int) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        num_decode_tokens=0,
-        decode_block_tables=None,
-        decode_seq_lens=None,
-        decode_query_start_loc=None,
-        prefills=(PrefillSpan(0, n, 0, torch.arange(-(-n // 16))),),
-    )
-
-
 def _decode(pos: int, blocks: int) -> AttentionMetadata:
     """One decode row at `pos` over blocks 0 .. blocks - 1."""
     return AttentionMetadata(
@@ -156,10 +145,10 @@ def test_mtp_logits_equal_the_reference(with_mtp: Path, mtp_cuts: dict[str, int]
     n, latent, blocks = ids.shape[0], ckpt.arch.deepseek.latent_dim, 2
     latents = [(torch.zeros(blocks, 16, 1, latent),) for _ in range(4)]
     keys = [(torch.zeros(blocks, 16, 1, INDEX_DIM),) for _ in range(4)]
-    meta = _prefill(n)
+    meta = prefill_meta(n)
     hidden, _ = base.forward(ids, torch.arange(n), (meta, meta), [latents[:3], keys[:3]])
     cache = (latents[3], keys[3])
-    chunk = _prefill(n - 2)
+    chunk = prefill_meta(n - 2)
     out = head.forward(ids[1:-1], hidden[:-2], torch.arange(n - 2), (chunk, chunk), cache)
     step = _decode(n - 2, blocks)
     last = head.forward(ids[-1:], hidden[-2:-1], torch.tensor([n - 2]), (step, step), cache)
