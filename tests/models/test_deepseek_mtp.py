@@ -114,21 +114,27 @@ def test_checkpoint_without_mtp_layer_is_refused(deepseek_models: dict[str, Path
         LLM(str(d), dtype="float32", **_spec(1))
 
 
-def refused_head_options(model: Path) -> list[tuple[dict, str]]:
-    """The MTP options a DeepSeek checkpoint refuses (its own layer drafts, as stored),
-    with the message each gets; the draft file exists, so only the family refuses it."""
+def assert_head_options_refused(model: Path, tree_refusal: str | None = None) -> None:
+    """The MTP options a DeepSeek checkpoint refuses (its own layer drafts, as stored)
+    are refused with their messages; the draft file exists, so only the family refuses
+    it. `tree_refusal`: token trees are refused too, with this message."""
     weights = str(next(model.glob("*.safetensors")))
-    return [
+    refused = [
         ({"draft_weights": weights}, "separate draft_weights are not supported"),
         ({"quantization": "int8"}, "MTP quantization is not supported"),
     ]
+    for option, needle in refused:
+        cfg = {"method": "mtp", "num_speculative_tokens": 1, **option}
+        with pytest.raises(Exception, match=needle):
+            LLM(str(model), dtype="float32", speculative_config=cfg)
+    if tree_refusal is not None:
+        tree = {"method": "mtp", "speculative_token_tree": "[(0,), (1,), (2,)]"}
+        with pytest.raises(ValueError, match=tree_refusal):
+            LLM(str(model), dtype="float32", speculative_config=tree)
 
 
 def test_separate_or_quantized_head_is_refused(with_mtp: Path) -> None:
-    for option, needle in refused_head_options(with_mtp):
-        cfg = {"method": "mtp", "num_speculative_tokens": 1, **option}
-        with pytest.raises(Exception, match=needle):
-            LLM(str(with_mtp), dtype="float32", speculative_config=cfg)
+    assert_head_options_refused(with_mtp)
 
 
 def test_mtp_with_ngram_first_equals_plain(with_mtp: Path) -> None:

@@ -31,7 +31,7 @@ from laneserve.model.loader import resolve_checkpoint
 from laneserve.model.registry import family_for, open_weights
 from tests.e2e.test_tiny_models import mixed_prompts, run
 from tests.models.dsv32_reference import ReferenceV32
-from tests.models.test_deepseek_mtp import prefill_meta, refused_head_options
+from tests.models.test_deepseek_mtp import assert_head_options_refused, prefill_meta
 from tests.models.tiny_deepseek_v32 import (
     INDEX_DIM,
     KV_LORA,
@@ -196,13 +196,7 @@ def test_copying_mtp_layer_is_mostly_accepted(copying: Path, k: int) -> None:
 
 def test_separate_or_quantized_head_and_token_trees_are_refused(with_mtp: Path) -> None:
     """The checkpoint without the layer: `test_deepseek_v32.py`."""
-    for option, needle in refused_head_options(with_mtp):
-        cfg = {"method": "mtp", "num_speculative_tokens": 1, **option}
-        with pytest.raises(Exception, match=needle):
-            LLM(str(with_mtp), dtype="float32", speculative_config=cfg)
-    tree = {"method": "mtp", "speculative_token_tree": "[(0,), (1,), (2,)]"}
-    with pytest.raises(ValueError, match="DeepseekV32ForCausalLM does not support token trees"):
-        LLM(str(with_mtp), dtype="float32", speculative_config=tree)
+    assert_head_options_refused(with_mtp, "DeepseekV32ForCausalLM does not support token trees")
 
 
 def test_chunked_prefill_prefix_hits_and_preemption_keep_the_drafts(copying: Path) -> None:

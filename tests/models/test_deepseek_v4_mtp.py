@@ -21,7 +21,7 @@ from laneserve.model.loader import resolve_checkpoint
 from laneserve.model.registry import open_weights
 from laneserve.worker.kv_cache import KvCache
 from tests.e2e.test_tiny_models import run
-from tests.models.test_deepseek_mtp import _spec, refused_head_options
+from tests.models.test_deepseek_mtp import _spec, assert_head_options_refused
 from tests.models.test_deepseek_v4 import GREEDY, check_against_hf, prompts_of
 from tests.models.test_deepseek_v4_cache import tables_for
 from tests.models.tiny_deepseek_v4 import add_v4_mtp_layer, hf_mtp_reference, to_release_layout
@@ -116,13 +116,7 @@ def test_checkpoint_without_mtp_layer_is_refused(deepseek_v4_model: Path) -> Non
 def test_head_options_and_token_trees_are_refused(with_mtp: Path) -> None:
     """V4 drafts with its own layer as stored (no draft file, no int8 head), and its
     cache groups cannot hold token-tree side rows."""
-    for option, needle in refused_head_options(with_mtp):
-        cfg = {"method": "mtp", "num_speculative_tokens": 1, **option}
-        with pytest.raises(Exception, match=needle):
-            LLM(str(with_mtp), dtype="float32", speculative_config=cfg)
-    tree = {"method": "mtp", "speculative_token_tree": "[(0,), (1,), (2,)]"}
-    with pytest.raises(ValueError, match="does not support token trees"):
-        LLM(str(with_mtp), dtype="float32", speculative_config=tree)
+    assert_head_options_refused(with_mtp, "does not support token trees")
 
 
 def test_bfloat16_speculative_greedy_equals_plain(with_mtp: Path) -> None:
