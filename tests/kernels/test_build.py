@@ -203,6 +203,7 @@ with kbuild._build_lock(build_dir):
 """
 
 
+@pytest.mark.slow
 def test_killed_build_does_not_block_the_next(tmp_path: Path) -> None:
     """A build killed while holding the lock leaves torch's baton file behind: the next
     loader still gets the lock (the kernel drops a dead holder's flock) and clears it."""

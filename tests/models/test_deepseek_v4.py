@@ -91,7 +91,7 @@ def test_preemption_and_resume_match_hf(deepseek_v4_model: Path, async_schedulin
     check_against_hf(d, prompts, got)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True])
 @pytest.mark.parametrize("k", [1, 3])
 def test_ngram_speculation_matches_hf(
     deepseek_v4_model: Path, async_scheduling: bool, k: int

@@ -95,7 +95,7 @@ def test_mtp_logits_equal_transformers_block(with_mtp: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_speculative_greedy_equals_plain(
     with_mtp: Path, deepseek_v4_model: Path, k: int, async_scheduling: bool
 ) -> None:
