@@ -26,7 +26,9 @@ from laneserve.model.layers import fp8
 SHAPES = ((1024, 1024), (4096, 4096), (2048, 7168))  # (N, K)
 
 
-def best_time(fns: dict[str, Callable[[], object]], bursts: int, seconds: float) -> dict[str, float]:
+def best_time(
+    fns: dict[str, Callable[[], object]], bursts: int, seconds: float
+) -> dict[str, float]:
     best = dict.fromkeys(fns, float("inf"))
     for f in fns.values():
         f()
@@ -54,7 +56,9 @@ def weights(ck: CpuKernels, n: int, k: int) -> dict[str, tuple[PackedWeight, tor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rows", default="1,4,8,32", help="row counts (batch rows), comma separated")
+    parser.add_argument(
+        "--rows", default="1,4,8,32", help="row counts (batch rows), comma separated"
+    )
     parser.add_argument("--bursts", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=0.1, help="per burst")
     args = parser.parse_args()
@@ -71,7 +75,7 @@ def main() -> None:
             for name, (p, exact) in packed.items():
                 want = ck.linear(x, ck.pack_linear_weight(exact))
                 assert torch.equal(ck.linear(x, p), want), f"{name} {n}x{k} rows {m}"
-            fns = {name: (lambda p=p: ck.linear(x, p)) for name, (p, _) in packed.items()}
+            fns = {name: (lambda p=p, x=x: ck.linear(x, p)) for name, (p, _) in packed.items()}
             best = best_time(fns, args.bursts, args.seconds)
             rates = "  ".join(f"{name} {n * k / t / 1e9:5.1f}" for name, t in best.items())
             print(f"{n} x {k}, {m:2d} rows: {rates}  (G weights/s)", flush=True)
