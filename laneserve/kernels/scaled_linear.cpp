@@ -57,8 +57,8 @@ inline void widen16(__m128i bytes, __m256i& lo, __m256i& hi) {
 // mantissa << 7: the byte shifted left by 8, then arithmetically right by 1, bit 14 (a
 // copy of the sign) cleared), an fp16 worth 2^-8 times the e4m3 value (fp16's wider
 // exponent keeps e4m3 subnormals, m * 2^-9, as fp16 subnormals), widened exactly by F16C;
-// the 2^8 is folded into the scale (group_fp8). Used for kFmtFp8 (bytes that may be NaN). NaN bytes (0x7f / 0xff) become the fp16
-// NaN 0xffff.
+// the 2^8 is folded into the scale (group_fp8). NaN bytes (0x7f / 0xff) become the fp16
+// NaN 0xffff. Used for kFmtFp8 (bytes that may be NaN) and where denormals read as zero.
 inline void e4m3x16_half(const uint8_t* p, __m256& lo, __m256& hi) {
   const __m256i b =
       _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
