@@ -122,8 +122,8 @@ class CpuKernels:
         16-column blocks (scaled.repack) for scaled_linear.cpp."""
         n, k = w.shape
         data, scale = scaled.repack(w)
-        nan = w.fmt == "fp8" and scaled.has_nan_values(w)
-        layout = f"scaled-{w.fmt}{'-nan' if nan else ''}-blocked16"
+        nan = "-nan" if scaled.has_nan_values(w) else ""
+        layout = f"scaled-{w.fmt}{nan}-blocked16"
         return PackedWeight(data, n, k, torch.uint8, layout, scale, group=w.group)
 
     def linear(

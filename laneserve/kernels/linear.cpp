@@ -123,7 +123,9 @@ void linear_row_tile(const LinearArgs& a, const W* w, int64_t m0, int64_t b0, in
 
 template <typename W>
 void linear_rows(const LinearArgs& a, const W* w, int64_t m0, int rows, int64_t b0, int64_t b1) {
-  with_rows<kMaxRows>(rows, [&](auto r) { linear_row_tile<W, decltype(r)::value>(a, w, m0, b0, b1); });
+  with_rows<kMaxRows>(rows, [&](auto r) {
+    linear_row_tile<W, decltype(r)::value>(a, w, m0, b0, b1);
+  });
 }
 
 template <typename W>

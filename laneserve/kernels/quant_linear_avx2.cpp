@@ -120,7 +120,7 @@ constexpr int quant_cols_for_rows() {
 
 template <int64_t Q>
 void quant_range(const QuantArgs& a, int64_t lo, int64_t hi) {
-  for_row_tiles(a.M, [&](auto rows, int64_t m0) {
+  for_row_tiles<kTileRows>(a.M, [&](auto rows, int64_t m0) {
     constexpr int R = decltype(rows)::value;
     for_column_blocks<quant_cols_for_rows<R>()>(lo, hi, [&](auto cols, int64_t b) {
       quant_tile<Q, R, decltype(cols)::value>(a, m0, b);

@@ -56,21 +56,6 @@ inline void dispatch_qtype(int64_t qtype, Run&& run) {
   }
 }
 
-// tile(Count<R>{}, m0) for rows m0 .. m0+R-1, R <= kTileRows, covering rows 0 .. M-1.
-template <typename Tile>
-inline void for_row_tiles(int64_t M, Tile&& tile) {
-  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-    switch (std::min<int64_t>(kTileRows, M - m0)) {
-      case 1: tile(Count<1>{}, m0); break;
-      case 2: tile(Count<2>{}, m0); break;
-      case 3: tile(Count<3>{}, m0); break;
-      case 4: tile(Count<4>{}, m0); break;
-      case 5: tile(Count<5>{}, m0); break;
-      default: tile(Count<6>{}, m0); break;
-    }
-  }
-}
-
 // blocks(Count<C>{}, b) for column blocks b .. b+C-1 while C fit in [b0, b1), then
 // blocks(Count<1>{}, b) for the rest.
 template <int C, typename Blocks>

@@ -134,16 +134,6 @@ inline void e2m1_pair(__m128i bytes, __m256 (&v)[4]) {
 #undef LS_E2M1_LO
 #undef LS_E2M1_HI
 
-template <int R>
-inline void fma_rows(const float* x, int64_t K, int64_t k, __m256 wl, __m256 wh,
-                     __m256 (&acc)[R][2]) {
-  for (int r = 0; r < R; ++r) {
-    const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
-    acc[r][0] = _mm256_fmadd_ps(xb, wl, acc[r][0]);
-    acc[r][1] = _mm256_fmadd_ps(xb, wh, acc[r][1]);
-  }
-}
-
 // 2^unit * scale, exact unless it overflows: false where a finite scale exceeds
 // 2^(127 - unit).
 template <int64_t F>
@@ -189,9 +179,10 @@ inline void group_fp8(const ScaledArgs& a, const uint8_t* w, const float* s, int
 
 // The 16 ue8m0 scales of group g of a column block as fp32 (columns 0-7, 8-15).
 inline void fp4_scales(const uint8_t* s, int64_t g, __m256 (&sv)[2]) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kNB));
-  sv[0] = e8m0x8(_mm256_cvtepu8_epi32(bytes));
-  sv[1] = e8m0x8(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+  __m256i e[2];
+  widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kNB)), e[0], e[1]);
+  sv[0] = e8m0x8(e[0]);
+  sv[1] = e8m0x8(e[1]);
 }
 
 template <typename Fn>
@@ -403,15 +394,13 @@ void scaled_block_buffered(const ScaledArgs& a, Block blk, int64_t b, float* wbu
       _mm256_storeu_ps(wbuf + (k - k0) * kNB + 8, wh);
       n = k - k0 + 1;
     });
-    for (int64_t m0 = 0; m0 < a.M; m0 += kBufferRows)
-      with_rows<kBufferRows>(a.M - m0, [&](auto r) {
-        tile_from_buffer<decltype(r)::value>(a, wbuf, k0, n, m0, accbuf + m0 * kNB);
-      });
-  }
-  for (int64_t m0 = 0; m0 < a.M; m0 += kBufferRows)
-    with_rows<kBufferRows>(a.M - m0, [&](auto r) {
-      final_tile<decltype(r)::value>(a, accbuf + m0 * kNB, m0, b);
+    for_row_tiles<kBufferRows>(a.M, [&](auto r, int64_t m0) {
+      tile_from_buffer<decltype(r)::value>(a, wbuf, k0, n, m0, accbuf + m0 * kNB);
     });
+  }
+  for_row_tiles<kBufferRows>(a.M, [&](auto r, int64_t m0) {
+    final_tile<decltype(r)::value>(a, accbuf + m0 * kNB, m0, b);
+  });
 }
 
 // Column blocks b0..b1-1 of rows 0..R-1 (R <= kTileRows): C blocks per tile, enough

@@ -179,6 +179,13 @@ inline void with_rows(int64_t rows, F&& f) {
   }
 }
 
+// tile(std::integral_constant<int, R>{}, m0) for the row tiles m0 = 0, N, 2N, ... of M
+// rows, R = min(N, M - m0) rows each.
+template <int N, typename Tile>
+inline void for_row_tiles(int64_t M, Tile&& tile) {
+  for (int64_t m0 = 0; m0 < M; m0 += N) with_rows<N>(M - m0, [&](auto rows) { tile(rows, m0); });
+}
+
 // Loads one k row (16 columns) of a packed block as two fp32 vectors.
 inline void load_w16(const float* p, __m256& lo, __m256& hi) {
   lo = _mm256_loadu_ps(p);
