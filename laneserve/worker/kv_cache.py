@@ -118,6 +118,13 @@ class KvCache:
     def group_index(self, name: str) -> int | None:
         return next((i for i, g in enumerate(self.groups) if g.name == name), None)
 
+    def group_indices(self, names: tuple[str, ...]) -> tuple[int, ...]:
+        """The indices of the groups `names` (a draft head's, in its order); each must be
+        allocated."""
+        found = [self.group_index(name) for name in names]
+        assert None not in found, f"cache groups {names} are allocated"
+        return tuple(g for g in found if g is not None)
+
     @staticmethod
     def allocate(
         groups: list[CacheGroupSpec],

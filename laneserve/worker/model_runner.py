@@ -114,7 +114,8 @@ class ModelRunner:
         self.grammars = grammars
         self.graphs = graphs
         self.draft_head = proposer.head if isinstance(proposer, MtpProposer) else None
-        self.mtp_groups = _group_indices(kv, self.draft_head)  # the head's, in its order
+        # the cache groups the head reads, in its order
+        self.mtp_groups = kv.group_indices(self.draft_head.cache_groups) if self.draft_head else ()
         self.kv_stacks: list[KvStack] = kv.stacks  # per group: the layers' caches stacked
         self.max_spec = max_spec
         self.state = DeviceState(device, max_model_len + max_spec + 2, max_spec, side_width)
@@ -421,15 +422,6 @@ class ModelRunner:
     # -- output lane -------------------------------------------------------
     def reclaim(self, out: DeviceOutputs) -> StepResult:
         return step_outputs.reclaim(out)
-
-
-def _group_indices(kv: KvCache, head: DraftHead | None) -> tuple[int, ...]:
-    """The cache-group indices of the groups `head` reads (none without a head)."""
-    if head is None:
-        return ()
-    found = [kv.group_index(name) for name in head.cache_groups]
-    assert None not in found, f"the MTP head's cache groups {head.cache_groups} are allocated"
-    return tuple(g for g in found if g is not None)
 
 
 def _outputs(inp: StepInputs, sampled: SampledStep | None, drafts: Drafts | None) -> DeviceOutputs:

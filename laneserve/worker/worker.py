@@ -314,12 +314,11 @@ class Worker:
         if spec.method == "ngram":
             return lookup
         assert self.mtp is not None
-        groups = [self.kv.group_index(name) for name in self.mtp.cache_groups]
-        layers = self.kv.layers
+        groups = self.kv.group_indices(self.mtp.cache_groups)
         return MtpProposer(
             self.mtp,
             spec.depth,
-            [layers[g][0] for g in groups if g is not None],  # each group's one layer
+            [self.kv.layers[g][0] for g in groups],  # each group's one layer
             self.block_size,
             self.side_width,
             lookup if spec.ngram_first else None,
